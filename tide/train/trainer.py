@@ -1,0 +1,225 @@
+"""DeepSpeed draft trainer: one training cycle = read the chunk window, train with training-time
+test, evaluate simulated acceptance before and after, publish `drafts/vN/`.
+
+Device-agnostic: DeepSpeed's accelerator picks CUDA, ROCm or CPU; nothing here names a device.
+Run with one process or several (torchrun / deepspeed launcher): every rank reads the same files
+and takes its share of the batches; rank 0 evaluates and publishes.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import socket
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from tide.config import TrainConfig
+from tide.draft import DraftRegistry, Eagle3Draft, init_draft, load_draft, set_vocab, target_heads
+from tide.store import ChunkMeta, ChunkReader
+from tide.train.data import Batch, Sequence, batches, sequences
+from tide.train.objective import simulate_acceptance, ttt_loss
+
+log = logging.getLogger(__name__)
+
+
+class _Objective(nn.Module):
+    """The draft plus its loss, so that DeepSpeed's engine runs the whole forward."""
+
+    def __init__(self, draft: Eagle3Draft, depth: int, decay: float) -> None:
+        super().__init__()
+        self.draft, self.depth, self.decay = draft, depth, decay
+
+    def forward(self, b: Batch) -> tuple[torch.Tensor, list[float]]:
+        b.aux = b.aux.to(self.draft.fc.weight.dtype)
+        return ttt_loss(self.draft, b, self.depth, self.decay)
+
+
+def init_distributed() -> tuple[int, int]:
+    """Join (or, for a single process, create) the trainer group; returns (rank, world size)."""
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+
+    if "WORLD_SIZE" not in os.environ:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
+    backend = "gloo" if get_accelerator().device_name() == "cpu" else None
+    deepspeed.init_distributed(dist_backend=backend, verbose=False)
+    return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+
+
+def use_bf16(precision: str) -> bool:
+    from deepspeed.accelerator import get_accelerator
+
+    if precision != "auto":
+        return precision == "bf16"
+    if get_accelerator().device_name() == "cpu":
+        flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+        return "avx512_bf16" in flags or "amx_bf16" in flags
+    return bool(get_accelerator().is_bf16_supported())
+
+
+def deepspeed_config(cfg: TrainConfig, bf16: bool) -> dict[str, Any]:
+    """The DeepSpeed JSON, a pure function of the config."""
+    return {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": 1.0,
+        "zero_optimization": {"stage": cfg.zero_stage},
+        "bf16": {"enabled": bf16},
+        "steps_per_print": 1 << 30,
+        "wall_clock_breakdown": False,
+    }
+
+
+def rebuild_vocab(model: Eagle3Draft, seqs: list[Sequence], target_head: torch.Tensor) -> float:
+    """Make the draft vocabulary the most frequent output tokens of `seqs` (prompt tokens break
+    ties, current members after them, so a quiet token keeps its trained row). Returns coverage:
+    the share of output tokens inside the new vocabulary."""
+    s = model.spec
+    if s.draft_vocab_size == s.vocab_size or not seqs:
+        return 1.0
+    counts = torch.zeros(s.vocab_size, dtype=torch.float64)
+    for q in seqs:
+        t = torch.from_numpy(q.tokens)
+        m = torch.from_numpy(q.is_output)
+        counts += 1e6 * torch.bincount(t[m], minlength=s.vocab_size) + torch.bincount(t[~m], minlength=s.vocab_size)
+    counts += model.t2d.to(torch.float64) * 0.5
+    ids = counts.topk(s.draft_vocab_size).indices
+    set_vocab(model, ids, target_head)
+    out_counts = counts // 1e6
+    return float(out_counts[ids].sum() / max(out_counts.sum(), 1))
+
+
+@dataclass
+class CycleResult:
+    version: int
+    al_before: float
+    al_after: float
+    train_tokens: int
+    steps: int
+    wall_s: float
+    tokens_per_s: float
+    final_loss: float
+    vocab_coverage: float
+    source_chunks: list[str]
+
+    def to_json(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+class DraftTrainer:
+    """Trains the draft for `target_dir` from the chunks under `store_root`; publishes to `drafts_root`."""
+
+    def __init__(self, cfg: TrainConfig, target_dir: Path, store_root: Path, drafts_root: Path, *,
+                 expect: ChunkMeta | None = None, aux_layer_ids: tuple[int, ...] = (), draft_vocab_size: int = 0,
+                 eval_fraction: float = 0.1, init_dir: str = "") -> None:
+        self.cfg, self.target_dir = cfg, Path(target_dir)
+        self.reader = ChunkReader(Path(store_root), expect)
+        self.registry = DraftRegistry(Path(drafts_root))
+        self.aux_layer_ids, self.draft_vocab_size = aux_layer_ids, draft_vocab_size
+        self.eval_fraction, self.init_dir = eval_fraction, init_dir
+        self.rank, self.world = init_distributed()
+        self.bf16 = use_bf16(cfg.precision)
+
+    def current_draft(self) -> tuple[int, Eagle3Draft]:
+        """Resume from the newest published draft (or the configured initial one, or a fresh head)."""
+        v = self.registry.latest()
+        if v:
+            return v, load_draft(self.registry.path(v), self.target_dir)
+        if self.init_dir:
+            return 0, load_draft(Path(self.init_dir), self.target_dir)
+        return 0, init_draft(self.target_dir, self.aux_layer_ids, self.draft_vocab_size, seed=self.cfg.seed)
+
+    def cycle(self, window_tokens: int | None = None,
+              on_progress: Callable[[dict[str, Any]], None] | None = None) -> CycleResult | None:
+        """One training cycle over the newest `window_tokens` stored tokens. None if there is no data."""
+        import deepspeed
+        from deepspeed.accelerator import get_accelerator
+
+        t_start = time.time()
+        cfg = self.cfg
+        chunks = self.reader.list_chunks(window_tokens)
+        train = sequences(self.reader.load(window_tokens, "train", self.eval_fraction), cfg.seq_len)
+        held = sequences(self.reader.load(window_tokens, "eval", self.eval_fraction), cfg.seq_len)
+        if not train or not held:
+            log.warning("trainer: not enough data (%d train / %d eval sequences)", len(train), len(held))
+            return None
+        base_version, draft = self.current_draft()
+        _, head = target_heads(self.target_dir)
+        coverage = rebuild_vocab(draft, train, head)
+        device = torch.device(get_accelerator().device_name())
+        eval_batches = batches(held, cfg.batch_tokens, cfg.gamma, shuffle=False)
+        al_before = self._evaluate(draft, eval_batches, device)
+
+        train_batches = batches(train, cfg.batch_tokens, cfg.ttt_depth, shuffle=True, seed=cfg.seed + base_version)
+        mine = train_batches[self.rank :: self.world] or train_batches[:1]
+        total = cfg.max_steps or max(1, math.ceil(cfg.epochs * len(mine)))
+        warm = max(1, int(total * cfg.warmup_frac))
+        objective = _Objective(draft, cfg.ttt_depth, cfg.ttt_decay)
+        params = [p for p in objective.parameters() if p.requires_grad]
+        opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+        sched = torch.optim.lr_scheduler.LambdaLR(
+            opt, lambda s: min(1.0, (s + 1) / warm) * max(0.05, 0.5 * (1 + math.cos(math.pi * min(s, total) / total))))
+        engine, _, _, _ = deepspeed.initialize(model=objective, optimizer=opt, lr_scheduler=sched,
+                                               config=deepspeed_config(cfg, self.bf16))
+        tokens, loss_v, t_train = 0, float("nan"), time.time()
+        bar = _progress(total, self.rank == 0)
+        for step in range(total):
+            b = mine[step % len(mine)].to(device)
+            loss, accs = engine(b)
+            engine.backward(loss)
+            engine.step()
+            tokens += b.num_tokens
+            loss_v = loss.item()
+            rate = tokens / max(time.time() - t_train, 1e-9)
+            bar.set_postfix(loss=f"{loss_v:.3f}", acc0=f"{accs[0]:.2f}", tok_s=f"{rate:.0f}")
+            bar.update()
+            if on_progress and self.rank == 0:
+                on_progress(dict(step=step + 1, steps=total, loss=loss_v, tokens_per_s=rate))
+        bar.close()
+        train_s = time.time() - t_train
+        trained = engine.module.draft
+        trained.float()
+        result = CycleResult(version=0, al_before=al_before, al_after=0.0, train_tokens=tokens * self.world,
+                             steps=total, wall_s=0.0, tokens_per_s=tokens * self.world / max(train_s, 1e-9),
+                             final_loss=loss_v, vocab_coverage=coverage, source_chunks=[p.name for p in chunks])
+        if self.rank == 0:
+            result.al_after = self._evaluate(trained, eval_batches, device)
+            result.wall_s = time.time() - t_start
+            result.version = self.registry.publish(trained.cpu(), {**result.to_json(), "base_version": base_version})
+            log.info("trainer: published v%d  AL %.3f -> %.3f  (%d tokens, %d steps, %.0f s)", result.version,
+                     al_before, result.al_after, result.train_tokens, total, result.wall_s)
+        _barrier()
+        return result
+
+    def _evaluate(self, draft: Eagle3Draft, eval_batches: list[Batch], device: torch.device) -> float:
+        draft = draft.to(device).eval()
+        dtype = draft.fc.weight.dtype
+        hist = simulate_acceptance(draft, [_cast(b.to(device), dtype) for b in eval_batches], self.cfg.gamma)
+        draft.train()
+        return hist.acceptance_length
+
+
+def _cast(b: Batch, dtype: torch.dtype) -> Batch:
+    b.aux = b.aux.to(dtype)
+    return b
+
+
+def _barrier() -> None:
+    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        torch.distributed.barrier()
+
+
+def _progress(total: int, show: bool):
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc="train", unit="step", disable=not show, leave=False, dynamic_ncols=True)
