@@ -15,11 +15,10 @@ import logging
 import math
 import os
 import shutil
-import socket
 from pathlib import Path
 from typing import Any
 
-from tide.assets import publish_dir
+from tide.assets import publish_dir, staging_dir
 
 log = logging.getLogger(__name__)
 
@@ -101,22 +100,16 @@ def make_tiny_llama(
     if out_dir.exists() and not marker.is_file() and any(out_dir.iterdir()):
         raise ValueError(f"{out_dir}: exists and is not a tiny model made by tide.tiny; pick an empty or new dir")
 
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out_dir.with_name(f"{out_dir.name}.tmp-{socket.gethostname()}-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    try:
+    with staging_dir(out_dir) as tmp:
         _save_model(tmp, params)
         _build_tokenizer(vocab_size).save_pretrained(tmp)
         (tmp / MARKER).write_text(json.dumps(wanted, indent=1) + "\n")
-        if marker.is_file():  # a tiny model with other parameters: replace it
+        if marker.is_file():  # built with other parameters: move the old one aside, then replace it
             old = out_dir.with_name(f"{out_dir.name}.old-{os.getpid()}")
             os.rename(out_dir, old)
             shutil.rmtree(old, ignore_errors=True)
         log.info("tiny llama %s -> %s", params, out_dir)
         return publish_dir(tmp, out_dir)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _check_params(p: dict[str, Any]) -> None:

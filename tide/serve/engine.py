@@ -1,0 +1,235 @@
+"""`TideEngine`: vLLM driven step by step, with arrivals, capture, hot-swap and a speculation switch.
+
+It owns one `vllm.v1.engine.llm_engine.LLMEngine` whose workers carry `TideWorkerExtension`, admits
+requests at their arrival times (or keeps a closed loop full), and reports per request and per
+time window: acceptance length, tokens/s, batch size, draft version and speculation state.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from tide.config import ServeConfig
+from tide.metrics import AcceptanceHistogram
+from tide.target import Target
+
+log = logging.getLogger(__name__)
+EXTENSION = "tide.serve.extension.TideWorkerExtension"
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_ids: list[int]
+    max_tokens: int
+    arrival: float | None = None  # seconds after the replay starts; None = closed loop
+    workload: str = ""
+
+
+@dataclass
+class RequestResult:
+    request_id: str
+    workload: str
+    prompt_tokens: int
+    output_ids: list[int]
+    arrival: float
+    finish: float
+    accept_counts: list[int]
+    draft_version: int
+    speculate: bool
+    captured_rows: int = 0
+
+    @property
+    def acceptance_length(self) -> float:
+        h = AcceptanceHistogram(len(self.accept_counts) - 1, list(self.accept_counts))
+        return h.acceptance_length
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        d.pop("output_ids")
+        return {**d, "output_tokens": len(self.output_ids), "acceptance_length": self.acceptance_length}
+
+
+@dataclass
+class Window:
+    t_start: float
+    t_end: float
+    tokens: int
+    steps: int
+    mean_batch: float
+    accept_counts: list[int]
+    draft_version: int
+    speculate: bool
+    events: list[str] = field(default_factory=list)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / max(self.t_end - self.t_start, 1e-9)
+
+    @property
+    def acceptance_length(self) -> float:
+        return AcceptanceHistogram(len(self.accept_counts) - 1, list(self.accept_counts)).acceptance_length
+
+    def to_json(self) -> dict[str, Any]:
+        return {**asdict(self), "tokens_per_s": self.tokens_per_s, "acceptance_length": self.acceptance_length}
+
+
+class TideEngine:
+    """One vLLM engine (speculative with an EAGLE-3 draft, or plain when `draft_dir` is None)."""
+
+    def __init__(self, target: Target, cfg: ServeConfig, draft_dir: Path | None = None, *,
+                 store_root: Path | None = None, chunk_tokens: int = 2048, retention_tokens: int = 0,
+                 max_pending_chunks: int = 4, capture: bool = True, version: int = 0, dtype: str = "bfloat16") -> None:
+        from vllm import EngineArgs
+        from vllm.v1.engine.llm_engine import LLMEngine
+
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg.kv_cache_space_gib))
+        spec = None
+        if draft_dir is not None:
+            spec = {"method": "eagle3", "model": str(draft_dir), "num_speculative_tokens": cfg.num_speculative_tokens}
+        t0 = time.time()
+        self.engine = LLMEngine.from_engine_args(EngineArgs(
+            model=str(target.path), dtype=dtype, seed=cfg.seed, enforce_eager=cfg.enforce_eager,
+            max_model_len=cfg.max_model_len, max_num_seqs=cfg.max_num_seqs,
+            max_num_batched_tokens=cfg.max_num_batched_tokens, speculative_config=spec,
+            enable_prefix_caching=False,  # cached prompt rows would never reach the capture hook
+            worker_extension_cls=EXTENSION if spec else "", disable_log_stats=True))
+        self.startup_s = time.time() - t0
+        self.speculative = spec is not None
+        self.gamma = cfg.num_speculative_tokens if self.speculative else 0
+        self.version = version
+        self.speculate = self.speculative
+        if self.speculative:
+            meta = asdict(target.chunk_meta()) if store_root else None
+            self.rpc("tide_install", str(store_root or ""), meta, chunk_tokens, max_pending_chunks,
+                     retention_tokens, capture and store_root is not None, True, version)
+        self._live: dict[str, tuple[Request, float]] = {}
+        self._seen: dict[str, int] = {}
+        log.info("engine: started in %.1f s (%s)", self.startup_s,
+                 f"EAGLE-3 K={self.gamma}, draft v{version}" if self.speculative else "no speculation")
+
+    # ------------------------------------------------------------------ control
+    def rpc(self, method: str, *args: Any) -> Any:
+        return self.engine.collective_rpc(method, args=args)[0]
+
+    def set_speculation(self, on: bool) -> None:
+        if self.speculative:
+            self.speculate = self.rpc("tide_set_speculation", bool(on))
+
+    def set_capture(self, on: bool) -> None:
+        if self.speculative:
+            self.rpc("tide_set_capture", bool(on))
+
+    def swap(self, draft_dir: Path, version: int) -> float:
+        """Hot-swap the draft between two steps; returns the pause in ms."""
+        t0 = time.perf_counter()
+        self.rpc("tide_load_draft", str(draft_dir), int(version))
+        self.version = version
+        return (time.perf_counter() - t0) * 1e3
+
+    def stats(self, reset: bool = True) -> dict[str, Any]:
+        if not self.speculative:
+            return dict(accept_counts=[1], steps=0, writer={})
+        return self.rpc("tide_stats", reset)
+
+    def flush(self) -> dict[str, int]:
+        return self.rpc("tide_flush") if self.speculative else {}
+
+    def close(self) -> None:
+        if self.speculative:
+            self.rpc("tide_close")
+        self.engine.engine_core.shutdown()
+
+    # ------------------------------------------------------------------ serving
+    def submit(self, req: Request, now: float) -> None:
+        from vllm import SamplingParams, TokensPrompt
+
+        sp = SamplingParams(max_tokens=req.max_tokens, temperature=0.0, ignore_eos=False)
+        self.engine.add_request(req.request_id, TokensPrompt(prompt_token_ids=req.prompt_ids), sp)
+        self._live[req.request_id] = (req, now)
+        self._seen[req.request_id] = 0
+
+    def step(self, now_fn: Callable[[], float]) -> tuple[int, int, list[RequestResult]]:
+        """One engine step: (new tokens, batch size, finished requests)."""
+        outs = self.engine.step()
+        new_tokens, finished = 0, []
+        for o in outs:
+            n = len(o.outputs[0].token_ids)
+            new_tokens += n - self._seen.get(o.request_id, 0)
+            self._seen[o.request_id] = n
+            if o.finished:
+                finished.append(o)
+        results = self._finish(finished, now_fn()) if finished else []
+        return new_tokens, len(outs), results
+
+    def _finish(self, outs: list[Any], now: float) -> list[RequestResult]:
+        info = {}
+        if self.speculative:
+            arg = {o.request_id: [len(o.prompt_token_ids), len(o.outputs[0].token_ids),
+                                  self._live[o.request_id][0].workload] for o in outs}
+            info = self.rpc("tide_finish", arg)
+        results = []
+        for o in outs:
+            req, arrival = self._live.pop(o.request_id)
+            self._seen.pop(o.request_id, None)
+            i = info.get(o.request_id, {})
+            results.append(RequestResult(
+                request_id=o.request_id, workload=req.workload, prompt_tokens=len(o.prompt_token_ids),
+                output_ids=list(o.outputs[0].token_ids), arrival=arrival, finish=now,
+                accept_counts=i.get("accept_counts", [1] + [0] * self.gamma), draft_version=self.version,
+                speculate=self.speculate, captured_rows=i.get("rows", 0)))
+        return results
+
+    def replay(self, requests: list[Request], concurrency: int = 1, window_s: float = 10.0,
+               between_steps: Callable[["TideEngine", float], None] | None = None,
+               on_window: Callable[[Window], None] | None = None) -> tuple[list[RequestResult], list[Window]]:
+        """Serve `requests`: timed ones at their arrival, the rest as a closed loop of `concurrency`.
+
+        `between_steps(engine, t)` runs between two engine steps (where swaps and switches are safe).
+        """
+        t_start = time.perf_counter()
+        now = lambda: time.perf_counter() - t_start  # noqa: E731
+        queue = sorted(requests, key=lambda r: (r.arrival is None, r.arrival or 0.0))
+        results: list[RequestResult] = []
+        windows: list[Window] = []
+        win = _WindowAcc(0.0)
+        self.stats(reset=True)
+        while queue or self._live:
+            t = now()
+            while queue and (queue[0].arrival is not None and queue[0].arrival <= t
+                             or queue[0].arrival is None and len(self._live) < concurrency):
+                self.submit(queue.pop(0), t)
+            if not self._live:  # idle until the next timed arrival
+                time.sleep(max(0.0, min(queue[0].arrival - t, 0.05)) if queue else 0)
+                continue
+            tokens, batch, done = self.step(now)
+            results += done
+            win.add(tokens, batch)
+            if between_steps:
+                between_steps(self, now())
+            if now() - win.t_start >= window_s or not (queue or self._live):
+                windows.append(win.close(now(), self))
+                if on_window:
+                    on_window(windows[-1])
+                win = _WindowAcc(now())
+        return results, windows
+
+
+class _WindowAcc:
+    def __init__(self, t_start: float) -> None:
+        self.t_start, self.tokens, self.steps, self.batch_sum = t_start, 0, 0, 0
+
+    def add(self, tokens: int, batch: int) -> None:
+        self.tokens += tokens
+        self.steps += 1
+        self.batch_sum += batch
+
+    def close(self, t_end: float, eng: TideEngine) -> Window:
+        s = eng.stats(reset=True)
+        return Window(self.t_start, t_end, self.tokens, self.steps, self.batch_sum / max(self.steps, 1),
+                      list(s["accept_counts"]), eng.version, eng.speculate)

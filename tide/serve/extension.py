@@ -1,0 +1,239 @@
+"""The only module that touches vLLM internals: a worker extension (vLLM `worker_extension_cls`).
+
+vLLM appends this class to its worker's bases, so the `tide_*` methods run inside the worker
+process with `self` = the worker and are called by name through `collective_rpc` (primitive
+arguments only: no pickled callables, no insecure serialization; bulk data moves through files).
+
+Hook points (vLLM 0.32, see the seam notes):
+- `runner.propose_draft_token_ids` (outer): per-step accepted counts from `sampled_token_ids`
+  (-1 marks rejected slots).
+- `runner.drafter.propose` (inner): sees the EAGLE-3 aux rows of every scheduled token,
+  `target_hidden_states` [N, k*H]. Rows of request i are `query_start_loc[i]:query_start_loc[i+1]`;
+  its last `num_rejected[i]` rows are rejected drafts. Kept: prompt rows and accepted rows. Setting
+  `num_speculative_tokens = 0` here is vLLM's own K = 0 path: the draft still runs its first pass
+  (its KV cache stays in sync) and returns no drafts, so speculation can resume at any step.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from tide.metrics import AcceptanceHistogram
+from tide.store import ChunkMeta, ChunkWriter, Run, bf16_to_u16
+
+
+@dataclass
+class _Pending:
+    """Rows captured so far for one live request (internal vLLM id)."""
+
+    prompt_len: int
+    positions: list[np.ndarray] = field(default_factory=list)
+    tokens: list[np.ndarray] = field(default_factory=list)
+    hidden: list[np.ndarray] = field(default_factory=list)
+    accepted: list[int] = field(default_factory=list)  # accepted drafts per drafting step
+
+
+class _State:
+    def __init__(self, gamma: int) -> None:
+        self.gamma = gamma
+        self.speculate = True
+        self.capture = True
+        self.version = 0
+        self.writer: ChunkWriter | None = None
+        self.pending: dict[str, _Pending] = {}
+        self.hist = AcceptanceHistogram(gamma)  # since the last tide_stats(reset=True)
+        self.steps = 0
+        self.captured_rows = 0
+
+
+class TideWorkerExtension:
+    _tide: _State
+
+    # ------------------------------------------------------------------ set-up
+    def tide_install(self, store_root: str = "", meta: dict[str, Any] | None = None, chunk_tokens: int = 2048,
+                     max_pending_chunks: int = 4, retention_tokens: int = 0, capture: bool = True,
+                     speculate: bool = True, version: int = 0) -> dict[str, Any]:
+        """Wrap the runner's hooks once; (re)configure capture. Returns what was hooked."""
+        runner = self.model_runner  # type: ignore[attr-defined]
+        gamma = self.vllm_config.speculative_config.num_speculative_tokens  # type: ignore[attr-defined]
+        if not hasattr(self, "_tide"):
+            self._tide = _State(gamma)
+            self._tide_wrap(runner)
+        st = self._tide
+        st.capture, st.speculate, st.version = capture, speculate, version
+        if store_root and st.writer is None:
+            m = meta or {}
+            st.writer = ChunkWriter(store_root, ChunkMeta(m["target_id"], m["target_hash"], int(m["hidden_size"]),
+                                                          tuple(m["layer_ids"])),
+                                    chunk_tokens=chunk_tokens, max_pending_chunks=max_pending_chunks,
+                                    retention_tokens=retention_tokens or None)
+        return dict(gamma=gamma, drafter=type(runner.drafter).__name__,
+                    aux_layers=list(getattr(runner.model, "aux_hidden_state_layers", ()) or ()))
+
+    def _tide_wrap(self, runner: Any) -> None:
+        st = self._tide
+        outer_orig = runner.propose_draft_token_ids
+        propose_orig = runner.drafter.propose
+
+        def outer(scheduler_output, sampled_token_ids, sampling_metadata, hidden_states, sample_hidden_states,
+                  aux_hidden_states, spec_decode_metadata, common_attn_metadata, slot_mappings):
+            if spec_decode_metadata is not None:  # some request verified drafts this step
+                valid = (sampled_token_ids != -1).sum(1).tolist()  # [n] = 1 + accepted
+                for rid, nd, v in zip(runner.input_batch.req_ids, spec_decode_metadata.num_draft_tokens, valid):
+                    if nd > 0:
+                        st.hist.add(v - 1)
+                        if rid in st.pending:
+                            st.pending[rid].accepted.append(v - 1)
+            st.steps += 1
+            return outer_orig(scheduler_output, sampled_token_ids, sampling_metadata, hidden_states,
+                              sample_hidden_states, aux_hidden_states, spec_decode_metadata,
+                              common_attn_metadata, slot_mappings)
+
+        def propose(**kw):
+            if st.capture:
+                self._tide_capture(runner, kw)
+            if not st.speculate:
+                kw["num_speculative_tokens"] = 0
+            return propose_orig(**kw)
+
+        runner.propose_draft_token_ids = outer
+        runner.drafter.propose = propose
+
+    def _tide_capture(self, runner: Any, kw: dict[str, Any]) -> None:
+        """Keep prompt rows and accepted rows: [qsl[i], qsl[i+1] - num_rejected[i]) per request i."""
+        cad = kw["common_attn_metadata"]
+        n = cad.num_reqs
+        qsl = cad.query_start_loc_cpu[: n + 1].tolist()
+        nrej_t = kw.get("num_rejected_tokens_gpu")
+        nrej = nrej_t[:n].tolist() if nrej_t is not None else [0] * n
+        spans = [(qsl[i], qsl[i + 1] - nrej[i]) for i in range(n)]
+        idx = torch.cat([torch.arange(a, b) for a, b in spans]) if n else torch.empty(0, dtype=torch.long)
+        if idx.numel() == 0:
+            return
+        # one gather + copy per step; on CPU this is the copy, and it is off the critical path on GPU
+        # only when done on a side stream into pinned memory (see _copy_rows)
+        hid = _copy_rows(kw["target_hidden_states"], idx)
+        pos = kw["target_positions"].index_select(0, idx.to(kw["target_positions"].device)).cpu().numpy()
+        tok = kw["target_token_ids"].index_select(0, idx.to(kw["target_token_ids"].device)).cpu().numpy()
+        st, at = self._tide, 0
+        for rid, (a, b) in zip(runner.input_batch.req_ids[:n], spans):
+            m = b - a
+            p = st.pending.get(rid)
+            if p is None:
+                p = st.pending[rid] = _Pending(len(runner.requests[rid].prompt_token_ids))
+            p.positions.append(pos[at : at + m])
+            p.tokens.append(tok[at : at + m])
+            p.hidden.append(hid[at : at + m])
+            at += m
+        st.captured_rows += at
+
+    # ------------------------------------------------------------------ control
+    def tide_set_speculation(self, on: bool) -> bool:
+        self._tide.speculate = bool(on)
+        return self._tide.speculate
+
+    def tide_set_capture(self, on: bool) -> bool:
+        self._tide.capture = bool(on)
+        return self._tide.capture
+
+    def tide_finish(self, finished: dict[str, list[Any]]) -> dict[str, dict[str, Any]]:
+        """Close finished requests: {external id: [num_prompt, num_output, workload]}.
+
+        Rows are trimmed to positions < num_prompt + num_output - 1: the last step can see accepted
+        drafts that the scheduler then drops at max_tokens or a stop token. Returns per request its
+        acceptance histogram and the rows handed to the chunk writer.
+        """
+        st, out = self._tide, {}
+        by_ext = {rid.rsplit("-", 1)[0]: rid for rid in st.pending}
+        for ext, (n_prompt, n_output, workload) in finished.items():
+            p = st.pending.pop(by_ext.get(ext, ext), None)
+            hist = AcceptanceHistogram(st.gamma)
+            for a in p.accepted if p else []:
+                hist.add(a)
+            rows = 0
+            if p and p.positions and st.writer is not None:
+                pos = np.concatenate(p.positions)
+                keep = pos < n_prompt + n_output - 1
+                rows = int(keep.sum())
+                run = Run(request_id=ext, tokens=np.concatenate(p.tokens)[keep].astype(np.int32),
+                          positions=pos[keep].astype(np.int32), hidden=np.concatenate(p.hidden)[keep],
+                          is_output=pos[keep] >= n_prompt, workload=str(workload),
+                          acceptance=hist.acceptance_length if hist.steps else float("nan"),
+                          draft_version=st.version if st.speculate else -1)
+                if rows and not st.writer.add(run):
+                    rows = 0
+            out[ext] = dict(accept_counts=hist.counts, rows=rows)
+        return out
+
+    def tide_stats(self, reset: bool = True) -> dict[str, Any]:
+        st = self._tide
+        s = dict(accept_counts=list(st.hist.counts), steps=st.steps, captured_rows=st.captured_rows,
+                 version=st.version, speculate=st.speculate, capture=st.capture,
+                 writer=st.writer.stats() if st.writer else {})
+        if reset:
+            st.hist = AcceptanceHistogram(st.gamma)
+        return s
+
+    def tide_flush(self) -> dict[str, int]:
+        """Write whatever the chunk writer buffers (a partial chunk) and wait for it."""
+        if self._tide.writer is None:
+            return {}
+        self._tide.writer.flush()
+        return self._tide.writer.stats()
+
+    def tide_close(self) -> None:
+        if self._tide.writer is not None:
+            self._tide.writer.close()
+
+    # ------------------------------------------------------------------ hot-swap
+    def tide_load_draft(self, draft_dir: str, version: int) -> dict[str, Any]:
+        """Swap the draft's weights in place, between two engine steps.
+
+        vLLM-CPU repacks linear weights after loading, so copying into the parameters alone would
+        not change what the model computes; vLLM's layerwise reload re-runs that processing.
+        """
+        from safetensors.torch import load_file
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.model_loader.reload.layerwise import (finalize_layerwise_reload,
+                                                                         initialize_layerwise_reload)
+
+        t0 = time.perf_counter()
+        weights = load_file(f"{draft_dir}/model.safetensors")
+        model = self.model_runner.get_draft_model()  # type: ignore[attr-defined]
+        expect = model.lm_head.weight.shape
+        got = weights.get("lm_head.weight")
+        if got is None or tuple(got.shape) != tuple(expect):
+            raise ValueError(f"{draft_dir}: lm_head.weight: shape {None if got is None else tuple(got.shape)} "
+                             f"does not match the serving draft {tuple(expect)}")
+        cfg = self.vllm_config  # type: ignore[attr-defined]
+        with set_current_vllm_config(cfg):
+            initialize_layerwise_reload(model)
+            model.load_weights(list(weights.items()))
+            finalize_layerwise_reload(model, cfg.speculative_config.draft_model_config)
+        self._tide.version = int(version)
+        return dict(version=self._tide.version, pause_ms=(time.perf_counter() - t0) * 1e3)
+
+
+def _copy_rows(hidden: torch.Tensor, idx: torch.Tensor) -> np.ndarray:
+    """Selected rows as uint16 bf16 bits [m, D] on the host.
+
+    On an accelerator the gather runs on the current stream and the device-to-host copy on a side
+    stream into pinned memory, so the step does not wait for PCIe; the host waits only when the
+    rows are converted, after the step's own work was queued.
+    """
+    if hidden.device.type == "cpu":
+        return bf16_to_u16(hidden.index_select(0, idx))
+    rows = hidden.index_select(0, idx.to(hidden.device))
+    side = torch.cuda.Stream(device=hidden.device)
+    side.wait_stream(torch.cuda.current_stream(hidden.device))
+    host = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)
+    with torch.cuda.stream(side):
+        rows.record_stream(side)
+        host.copy_(rows, non_blocking=True)
+    side.synchronize()
+    return bf16_to_u16(host)
