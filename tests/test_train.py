@@ -1,0 +1,77 @@
+"""The DeepSpeed trainer: learns, publishes atomically, resumes, and runs with two processes."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tide.config import TrainConfig
+from tide.draft import DraftRegistry
+from tide.recompute import write_recomputed
+from tide.train import DraftTrainer
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def store(tiny_target, tiny_requests, tmp_path_factory):
+    path = tmp_path_factory.mktemp("run") / "store"
+    write_recomputed(tiny_target, path, tiny_requests, workload="tiny", chunk_tokens=1024)
+    return path
+
+
+def make_trainer(tiny_target, store, drafts, steps):
+    cfg = TrainConfig(max_steps=steps, batch_tokens=512, lr=3e-3, seq_len=256)
+    return DraftTrainer(cfg, tiny_target.path, store, drafts, expect=tiny_target.chunk_meta(),
+                        aux_layer_ids=tiny_target.layer_ids, draft_vocab_size=256, eval_fraction=0.2)
+
+
+def test_training_raises_acceptance_and_resumes(tiny_target, store, tmp_path):
+    trainer = make_trainer(tiny_target, store, tmp_path / "drafts", steps=150)
+    r1 = trainer.cycle()
+    assert r1 is not None and r1.version == 1
+    assert r1.al_before < 1.1
+    assert r1.al_after >= r1.al_before + 0.25, r1  # a clear margin, not a time
+    reg = DraftRegistry(tmp_path / "drafts")
+    meta = reg.meta(1)
+    assert meta["al_after"] == r1.al_after and meta["steps"] == 150 and meta["source_chunks"]
+    assert (reg.path(1) / "model.safetensors").exists()
+
+    again = make_trainer(tiny_target, store, tmp_path / "drafts", steps=20)  # a restarted trainer
+    r2 = again.cycle()
+    assert r2.version == 2 and reg.meta(2)["base_version"] == 1
+    assert abs(r2.al_before - r1.al_after) < 0.05  # it resumed from v1, not from scratch
+
+
+def test_no_data_is_not_an_error(tiny_target, tmp_path):
+    assert make_trainer(tiny_target, tmp_path / "empty", tmp_path / "drafts", steps=5).cycle() is None
+
+
+def test_two_processes_with_torchrun(tiny_target, store, tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    os.symlink(store, out / "store")
+    cfg = {"model": {"target": str(tiny_target.path), "aux_layer_ids": list(tiny_target.layer_ids)},
+           "draft": {"draft_vocab_size": 256}, "store": {"eval_fraction": 0.2},
+           "train": {"max_steps": 20, "batch_tokens": 512, "seq_len": 256}}
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m", "tide.train",
+                        "--config", str(tmp_path / "c.yaml"), "--out", str(out)],
+                       capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert p.returncode == 0, p.stderr[-3000:]
+    result = json.loads(p.stdout)
+    assert result["version"] == 1 and result["steps"] == 20
+    assert DraftRegistry(out / "drafts").latest() == 1
+
+
+def test_bad_config_is_one_line(tmp_path):
+    (tmp_path / "c.yaml").write_text("train:\n  ttt_depht: 2\n")
+    p = subprocess.run([sys.executable, "-m", "tide.train", "--config", str(tmp_path / "c.yaml"), "--out", str(tmp_path)],
+                       capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert p.returncode == 2
+    assert p.stderr.strip().splitlines()[-1] == (f"tide.train: error: {tmp_path / 'c.yaml'}: train.ttt_depht: "
+                                                 "unknown key; did you mean ttt_depth?")

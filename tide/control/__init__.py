@@ -1,0 +1,20 @@
+"""Control policies: pure classes that see observations and return a `Decision` (action + reason).
+
+- `SpeculationGate` (paper Eq. 5): speculate only where the acceptance pays for the draft.
+- `CollectionGate` (paper Algorithm 1): collect, train and deploy only after the workload shifted.
+- `RollbackGate`: after a hot-swap, confirm the draft or go back to the previous one.
+
+None of them touches the engine, the store or the clock; the runtime feeds them and applies the result.
+"""
+
+from tide.control.collection import CollectAction, CollectConfig, CollectionGate, CollectState
+from tide.control.decision import Decision
+from tide.control.rollback import RollbackAction, RollbackConfig, RollbackGate
+from tide.control.speculation import (GateConfig, LatencyProfile, SpecAction, SpeculationGate,
+                                      SpeculationObservation)
+
+__all__ = [
+    "CollectAction", "CollectConfig", "CollectState", "CollectionGate", "Decision", "GateConfig",
+    "LatencyProfile", "RollbackAction", "RollbackConfig", "RollbackGate", "SpecAction", "SpeculationGate",
+    "SpeculationObservation",
+]

@@ -1,0 +1,44 @@
+"""`python -m tide.train`: one training cycle over a run's chunk store, publishing drafts/vN.
+
+Single process or several (`torchrun --nproc_per_node 2 -m tide.train ...` or the deepspeed
+launcher); each rank reads the same files. Prints the cycle's result as JSON on rank 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+from tide.config import ConfigError, load_config
+from tide.layout import RunLayout
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m tide.train", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", required=True, type=Path, help="TIDE YAML config (sections model, draft, store, train)")
+    p.add_argument("--out", required=True, type=Path, help="run dir holding store/ and drafts/")
+    p.add_argument("--window-tokens", type=int, default=0, help="newest stored tokens to train on (0 = all)")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr)
+    try:
+        cfg = load_config(args.config)
+        run = RunLayout.open(cfg, args.out)
+    except (ConfigError, ValueError) as e:
+        print(f"tide.train: error: {e}", file=sys.stderr)
+        return 2
+    from tide.train import DraftTrainer
+
+    trainer = DraftTrainer.from_config(cfg, run)
+    result = trainer.cycle(args.window_tokens or None)
+    if trainer.rank == 0:
+        print(json.dumps(result.to_json() if result else None, indent=1))
+    trainer.shutdown()
+    return 0 if result else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
