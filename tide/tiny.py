@@ -84,6 +84,7 @@ def make_tiny_llama(
     seed: int = 0,
     max_position_embeddings: int = 2048,
     tie_word_embeddings: bool = False,
+    layer_gain: float = 1.0,
 ) -> Path:
     """Write (or reuse) a tiny random LlamaForCausalLM directory at `out_dir` and return it.
 
@@ -146,6 +147,11 @@ def _save_model(out: Path, p: dict[str, Any]) -> None:
     # Instead every matrix gets std 1/sqrt(fan_in), so each block moves the residual stream by O(1)
     # (the next token depends on context) and logits have std ~1. Embeddings keep 0.02 unless they are
     # also the output head. An explicit generator makes the bytes independent of HF's init code.
+    # Measured (16 greedy tokens, seeds 0-9 x 6 prompts): 53 of 60 give >= 3 distinct tokens; seed 0 on
+    # the chat prompt gives 10, seed 2 only 1. Embedding std 1.0 gives 60/60 but near-chaotic output.
+    # `layer_gain` < 1 scales the decoder layers down: greedy output then settles into short patterns
+    # that a draft can learn from a few thousand tokens (gain 0.5: held-out AL 1.0 -> 1.6 in 150
+    # steps, against 1.15 at gain 1), which is what tests of learning need.
     gen = torch.Generator().manual_seed(p["seed"])
     with torch.no_grad():
         for name, w in model.named_parameters():  # a tied lm_head is listed once, as embed_tokens
@@ -155,7 +161,8 @@ def _save_model(out: Path, p: dict[str, Any]) -> None:
                 w.normal_(0.0, 0.02, generator=gen)
             else:
                 assert w.dim() == 2, name
-                w.normal_(0.0, 1.0 / math.sqrt(w.shape[1]), generator=gen)
+                gain = p["layer_gain"] if name.startswith("model.layers.") else 1.0
+                w.normal_(0.0, gain / math.sqrt(w.shape[1]), generator=gen)
     model = model.to(torch.bfloat16)
     model.generation_config = GenerationConfig(
         bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id)

@@ -7,6 +7,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tide.target import default_layer_ids
+
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 
 
@@ -30,7 +32,7 @@ class DraftSpec:
         """The head mirrors one target decoder layer; layer ids default to vLLM's (2, L//2, L-3)."""
         c = target_config
         L = c["num_hidden_layers"]
-        ids = tuple(aux_layer_ids) or (2, L // 2, L - 3)
+        ids = tuple(aux_layer_ids) or default_layer_ids(L)
         if len(set(ids)) != len(ids) or not all(0 <= i < L for i in ids):
             raise ValueError(f"aux_layer_ids {list(ids)} must be distinct and in [0, {L}) for a {L}-layer target")
         V = c["vocab_size"]

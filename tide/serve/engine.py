@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -65,7 +65,7 @@ class Window:
     accept_counts: list[int]
     draft_version: int
     speculate: bool
-    events: list[str] = field(default_factory=list)
+    stored_tokens: int = 0  # chunk-store tokens written so far by this engine (cumulative)
 
     @property
     def tokens_per_s(self) -> float:
@@ -187,10 +187,12 @@ class TideEngine:
 
     def replay(self, requests: list[Request], concurrency: int = 1, window_s: float = 10.0,
                between_steps: Callable[["TideEngine", float], None] | None = None,
-               on_window: Callable[[Window], None] | None = None) -> tuple[list[RequestResult], list[Window]]:
+               on_window: Callable[[Window], None] | None = None,
+               on_result: Callable[[RequestResult], None] | None = None) -> tuple[list[RequestResult], list[Window]]:
         """Serve `requests`: timed ones at their arrival, the rest as a closed loop of `concurrency`.
 
-        `between_steps(engine, t)` runs between two engine steps (where swaps and switches are safe).
+        `between_steps(engine, t)` runs between two engine steps (where swaps and switches are safe);
+        `on_window` gets each closed time window, `on_result` each finished request.
         """
         t_start = time.perf_counter()
         now = lambda: time.perf_counter() - t_start  # noqa: E731
@@ -209,6 +211,8 @@ class TideEngine:
                 continue
             tokens, batch, done = self.step(now)
             results += done
+            for r in done if on_result else ():
+                on_result(r)
             win.add(tokens, batch)
             if between_steps:
                 between_steps(self, now())
@@ -232,4 +236,4 @@ class _WindowAcc:
     def close(self, t_end: float, eng: TideEngine) -> Window:
         s = eng.stats(reset=True)
         return Window(self.t_start, t_end, self.tokens, self.steps, self.batch_sum / max(self.steps, 1),
-                      list(s["accept_counts"]), eng.version, eng.speculate)
+                      list(s["accept_counts"]), eng.version, eng.speculate, int(s["writer"].get("tokens", 0)))

@@ -1,7 +1,8 @@
 """`python -m tide.train`: one training cycle over a run's chunk store, publishing drafts/vN.
 
 Single process or several (`torchrun --nproc_per_node 2 -m tide.train ...` or the deepspeed
-launcher); each rank reads the same files. Prints the cycle's result as JSON on rank 0.
+launcher); each rank reads the same files. Rank 0 prints the cycle's result as JSON (and writes
+it to --json; libraries may print to stdout too).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--config", required=True, type=Path, help="TIDE YAML config (sections model, draft, store, train)")
     p.add_argument("--out", required=True, type=Path, help="run dir holding store/ and drafts/")
     p.add_argument("--window-tokens", type=int, default=0, help="newest stored tokens to train on (0 = all)")
+    p.add_argument("--json", type=Path, help="also write the cycle's result to this file")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr)
     try:
@@ -35,7 +37,10 @@ def main(argv: list[str] | None = None) -> int:
     trainer = DraftTrainer.from_config(cfg, run)
     result = trainer.cycle(args.window_tokens or None)
     if trainer.rank == 0:
-        print(json.dumps(result.to_json() if result else None, indent=1))
+        text = json.dumps(result.to_json() if result else None, indent=1)
+        print(text)
+        if args.json:
+            args.json.write_text(text)
     trainer.shutdown()
     return 0 if result else 1
 

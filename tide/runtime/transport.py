@@ -1,0 +1,92 @@
+"""Transports for role messages: MPI between Slurm het-job ranks, a socket between local processes.
+
+Both are non-blocking: `poll()` returns what has arrived, `send()` never waits for the peer.
+"""
+
+from __future__ import annotations
+
+import select
+import socket
+import struct
+from typing import Protocol
+
+from tide.runtime.messages import Message, decode, encode
+
+TAG = 7  # MPI tag of TIDE messages
+
+
+class Transport(Protocol):
+    rank: int
+
+    def send(self, dest: int, msg: Message) -> None: ...
+
+    def poll(self) -> list[tuple[int, Message]]: ...
+
+    def close(self) -> None: ...
+
+
+class MPITransport:
+    """One MPI_COMM_WORLD over the whole het job; raw bytes with Isend/Iprobe (mpi4py's lowercase
+    calls would pickle)."""
+
+    def __init__(self) -> None:
+        from mpi4py import MPI
+
+        self.MPI, self.comm = MPI, MPI.COMM_WORLD
+        self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
+        self._inflight: list[tuple[object, bytes]] = []
+
+    def send(self, dest: int, msg: Message) -> None:
+        buf = encode(msg)
+        self._inflight.append((self.comm.Isend([buf, self.MPI.BYTE], dest=dest, tag=TAG), buf))
+        self._inflight = [(r, b) for r, b in self._inflight if not r.Test()]  # type: ignore[attr-defined]
+
+    def poll(self) -> list[tuple[int, Message]]:
+        out, st = [], self.MPI.Status()
+        while self.comm.Iprobe(source=self.MPI.ANY_SOURCE, tag=TAG, status=st):
+            buf = bytearray(st.Get_count(self.MPI.BYTE))
+            src = st.Get_source()
+            self.comm.Recv([buf, self.MPI.BYTE], source=src, tag=TAG)
+            out.append((src, decode(bytes(buf))))
+        return out
+
+    def close(self) -> None:
+        for r, _ in self._inflight:
+            r.Wait()  # type: ignore[attr-defined]
+        self._inflight = []
+
+
+class SocketTransport:
+    """Two local processes over a connected stream socket (e.g. `socket.socketpair()`); frames are
+    a 4-byte length and a msgpack message. `rank` is this end's number, the peer is the other."""
+
+    def __init__(self, sock: socket.socket, rank: int, peer: int) -> None:
+        self.sock, self.rank, self.peer = sock, rank, peer
+        self._buf = b""
+        self.closed = False
+
+    def send(self, dest: int, msg: Message) -> None:
+        assert dest == self.peer, f"socket transport reaches only rank {self.peer}"
+        data = encode(msg)
+        try:
+            self.sock.sendall(struct.pack("!I", len(data)) + data)
+        except OSError:
+            self.closed = True  # the peer is gone; the caller sees it through `closed`
+
+    def poll(self, timeout: float = 0.0) -> list[tuple[int, Message]]:
+        while not self.closed and select.select([self.sock], [], [], timeout)[0]:
+            chunk = self.sock.recv(1 << 16)
+            if not chunk:
+                self.closed = True
+                break
+            self._buf += chunk
+            timeout = 0.0
+        out = []
+        while len(self._buf) >= 4 and len(self._buf) >= 4 + (n := struct.unpack("!I", self._buf[:4])[0]):
+            out.append((self.peer, decode(self._buf[4 : 4 + n])))
+            self._buf = self._buf[4 + n :]
+        return out
+
+    def close(self) -> None:
+        self.sock.close()
+        self.closed = True
