@@ -86,6 +86,10 @@ def resolve_model(spec: str, cache_dir: Path | None = None) -> Path:
     """Return a local HF safetensors dir for `spec`, fetching or converting it into the cache if needed."""
     if spec in ASSETS:
         return fetch(spec, cache_dir)
+    if spec == "tiny":  # a tiny random Llama built offline: CI, Slurm tests, quick tries
+        from tide.tiny import make_tiny_llama
+
+        return make_tiny_llama(cache_root(cache_dir) / "models" / "tiny", layer_gain=0.5)
     path = Path(spec).expanduser()
     if path.is_dir():
         return check_model_dir(path.resolve())

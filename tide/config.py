@@ -98,6 +98,7 @@ class WorkloadConfig:
     arrival_rate: float = 0.0  # requests/s (Poisson); 0 = closed loop at `concurrency`
     concurrency: int = 1
     seed: int = 0
+    nospec_baseline: bool = True  # also serve the last fifth of the prompts without speculation
 
 
 @dataclass(frozen=True)

@@ -136,7 +136,7 @@ class Eagle3Draft(nn.Module):
         """
         B, T, _ = aux.shape
         pos = torch.arange(T, device=aux.device)
-        fused = self.fc(aux)
+        fused = self.fc(aux.to(self.fc.weight.dtype))  # captured rows are bf16; the head may be fp32
         q0, k0, v0 = self._qkv(fused, tokens[:, 1 : T + 1], pos)
         pre = self._finish(fused, F.scaled_dot_product_attention(q0, k0, v0, is_causal=True))
         outs = [pre]

@@ -38,10 +38,15 @@ def ttt_loss(model: Eagle3Draft, b: Batch, depth: int, decay: float) -> tuple[to
 
 @torch.no_grad()
 def simulate_acceptance(model: Eagle3Draft, batches: list[Batch], gamma: int) -> AcceptanceHistogram:
-    """Acceptance of chained greedy drafting, gamma tokens, at every start t whose input x_{t+1} is
-    an output token (where a serving step drafts). Teacher forcing gives the same count as feeding
-    the draft its own tokens: the chain is only counted while every earlier draft was right.
-    A target past the end of the known sequence counts as a miss."""
+    """Acceptance of chained greedy drafting with gamma tokens, stepped as serving steps.
+
+    Serving drafts first after the prompt (start t = last prompt row, whose input x_{t+1} is the
+    first output token); a step that accepts k drafts moves the next start to t + k + 1. Counting
+    every start instead would over-weight easy stretches (a run of good drafts is one serving step
+    but gamma+1 starts), so the walk is what live acceptance is compared with. Teacher forcing gives
+    the same counts as feeding the draft its own tokens: the chain only counts while every earlier
+    draft was right. A target past the end of the known sequence counts as a miss.
+    """
     hist = AcceptanceHistogram(gamma)
     for b in batches:
         outs = model(b.aux, b.tokens, gamma, 0)
@@ -54,6 +59,9 @@ def simulate_acceptance(model: Eagle3Draft, batches: list[Batch], gamma: int) ->
             pred = model.draft_to_target(model.logits(pre).argmax(-1))
             alive &= ok & (pred == tgt)
             accepted += alive.long()
-        for k, c in enumerate(torch.bincount(accepted[starts], minlength=gamma + 1).tolist()):
-            hist.add(k, c)
+        for acc, valid in zip(accepted.tolist(), starts.tolist()):
+            t = valid.index(True) if True in valid else T
+            while t < T and valid[t]:
+                hist.add(acc[t])
+                t += acc[t] + 1
     return hist

@@ -40,7 +40,6 @@ class _Objective(nn.Module):
         self.draft, self.depth, self.decay = draft, depth, decay
 
     def forward(self, b: Batch) -> tuple[torch.Tensor, list[float]]:
-        b.aux = b.aux.to(self.draft.fc.weight.dtype)
         return ttt_loss(self.draft, b, self.depth, self.decay)
 
 
@@ -218,15 +217,9 @@ class DraftTrainer:
 
     def _evaluate(self, draft: Eagle3Draft, eval_batches: list[Batch], device: torch.device) -> float:
         draft = draft.to(device).eval()
-        dtype = draft.fc.weight.dtype
-        hist = simulate_acceptance(draft, [_cast(b.to(device), dtype) for b in eval_batches], self.cfg.gamma)
+        hist = simulate_acceptance(draft, [b.to(device) for b in eval_batches], self.cfg.gamma)
         draft.train()
         return hist.acceptance_length
-
-
-def _cast(b: Batch, dtype: torch.dtype) -> Batch:
-    b.aux = b.aux.to(dtype)
-    return b
 
 
 def _barrier() -> None:

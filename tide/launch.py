@@ -1,0 +1,89 @@
+"""`python -m tide.launch`: run the whole TIDE loop.
+
+  --executor local   (default) the embedded default on this machine: vLLM serves on the serving
+                     cores, a DeepSpeed trainer process trains on the training cores, a socket
+                     carries the messages.
+  --executor slurm   a heterogeneous Slurm job through submitit: component 0 serves, component 1
+                     trains, MPI carries the messages (see slurm/README.md).
+  --dry-run          print what would run (the batch script for slurm) and exit.
+
+Results land in --out: summary.json, windows.jsonl, requests.jsonl, events.json, acceptance.png,
+store/ (captured hidden states) and drafts/vN (published drafts).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+from tide.config import ConfigError, TideConfig, load_config
+
+log = logging.getLogger("tide.launch")
+
+
+def run_local(cfg: TideConfig, config: Path, out: Path) -> dict:
+    from tide.layout import RunLayout
+    from tide.runtime.serve_role import run_coordinator
+    from tide.runtime.transport import SocketTransport
+
+    run = RunLayout.open(cfg, out)
+    out.mkdir(parents=True, exist_ok=True)
+    if cfg.runtime.serve_cores:
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cfg.runtime.serve_cores)
+    ours, theirs = socket.socketpair()
+    cmd = [sys.executable, "-m", "tide.runtime", "--config", str(config), "--out", str(out),
+           "--fd", str(theirs.fileno()), "--cores", cfg.runtime.train_cores]
+    with open(out / "trainer.log", "ab") as trainer_log:
+        trainer = subprocess.Popen(cmd, pass_fds=[theirs.fileno()], stdout=trainer_log, stderr=subprocess.STDOUT)
+    theirs.close()
+    log.info("trainer process %d (cores %s), log %s", trainer.pid, cfg.runtime.train_cores or "any",
+             out / "trainer.log")
+    transport = SocketTransport(ours, rank=0, peer=1)
+    try:
+        summary = run_coordinator(cfg, run, transport, trainer_ranks=[1])
+    finally:
+        try:
+            trainer.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            trainer.kill()
+        transport.close()
+    return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m tide.launch", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", required=True, type=Path, help="TIDE YAML config, e.g. configs/local.yaml")
+    p.add_argument("--out", type=Path, default=Path("runs/local"), help="run directory (default runs/local)")
+    p.add_argument("--executor", choices=("local", "slurm"), default="local")
+    p.add_argument("--dry-run", action="store_true", help="print what would run and exit")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr)
+    try:
+        cfg = load_config(args.config)
+        if args.executor == "slurm":
+            from tide.slurm import launch as launch_slurm
+
+            return launch_slurm(cfg, args.config, args.out, dry_run=args.dry_run)
+        if args.dry_run:
+            print(f"local: serve + train {cfg.model.target} with {args.config} into {args.out}")
+            return 0
+        summary = run_local(cfg, args.config, args.out)
+    except (ConfigError, ValueError) as e:
+        print(f"tide.launch: error: {e}", file=sys.stderr)
+        return 2
+    keys = ("al_start", "al_end", "swaps", "tokens_per_s_start", "tokens_per_s_end", "nospec_tokens_per_s",
+            "speedup_end_over_nospec")
+    print(json.dumps({k: summary[k] for k in keys}, indent=1))
+    log.info("results in %s (summary.json, acceptance.png)", args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,96 @@
+"""`python -m tide.runtime`: one rank of a TIDE job.
+
+Under Slurm (`srun --het-group=0,1 --mpi=pmix`) every rank runs this; MPI_COMM_WORLD spans both
+components, component 0 (inference) first. Rank 0 is the coordinator and serves; component 1
+ranks train as one DeepSpeed group. A local trainer started by `tide.launch` gets `--fd`, the
+socket to the coordinator, instead of MPI.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import socket
+import sys
+from pathlib import Path
+
+from tide.config import ConfigError, load_config
+from tide.layout import RunLayout
+
+
+def het_layout(rank: int, size: int) -> tuple[int, int]:
+    """(ranks in component 0, ranks in component 1). Slurm names no component in a het step's
+    environment: derive it from SLURM_NTASKS_HET_GROUP_0 (one component: rank 0 serves, rest train)."""
+    n0 = int(os.environ.get("SLURM_NTASKS_HET_GROUP_0", "1"))
+    return n0, size - n0
+
+
+def trainer_group_env(comm, n0: int) -> None:
+    """torch.distributed env of the trainer group: ranks n0.. of MPI_COMM_WORLD; master = its first."""
+    from mpi4py import MPI
+
+    rank, size = comm.Get_rank(), comm.Get_size()
+    host = socket.gethostname().encode()[:255].ljust(256, b"\0")
+    hosts = bytearray(256 * size)
+    comm.Allgather([host, MPI.BYTE], [hosts, MPI.BYTE])
+    master = bytes(hosts[256 * n0 : 256 * (n0 + 1)]).rstrip(b"\0").decode()
+    job = int(os.environ.get("SLURM_JOB_ID", "0"))
+    os.environ.update(MASTER_ADDR=master, MASTER_PORT=str(20000 + job % 20000), RANK=str(rank - n0),
+                      WORLD_SIZE=str(size - n0), LOCAL_RANK=os.environ.get("SLURM_LOCALID", "0"))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m tide.runtime", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", required=True, type=Path)
+    p.add_argument("--out", required=True, type=Path)
+    p.add_argument("--fd", type=int, help="(local) socket to the coordinator: run as the trainer")
+    p.add_argument("--cores", default="", help="(local) CPU cores for this process, e.g. '1' or '2-3'")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr)
+    try:
+        cfg = load_config(args.config)
+        run = RunLayout.open(cfg, args.out)
+    except (ConfigError, ValueError) as e:
+        print(f"tide.runtime: error: {e}", file=sys.stderr)
+        return 2
+    if args.cores:
+        bind_cores(args.cores)
+    from tide.runtime.trainer_role import run_trainer
+    from tide.runtime.transport import MPITransport, SocketTransport
+
+    if args.fd is not None:
+        run_trainer(cfg, run, SocketTransport(socket.socket(fileno=args.fd), rank=1, peer=0))
+        return 0
+    transport = MPITransport()
+    n0, n1 = het_layout(transport.rank, transport.size)
+    if transport.rank >= n0:
+        trainer_group_env(transport.comm, n0)
+        run_trainer(cfg, run, transport)
+    else:
+        trainer_group_env(transport.comm, n0)  # collective: every rank takes part
+        if transport.rank == 0:
+            from tide.runtime.serve_role import run_coordinator
+
+            run_coordinator(cfg, run, transport, list(range(n0, n0 + n1)))
+        else:
+            logging.getLogger(__name__).warning("rank %d: only rank 0 serves in this version; idle", transport.rank)
+    transport.close()
+    return 0
+
+
+def bind_cores(spec: str) -> None:
+    """Pin this process (and the threads it starts) to `spec` cores, e.g. '1' or '0,2-3'."""
+    cores: set[int] = set()
+    for part in spec.split(","):
+        a, _, b = part.partition("-")
+        cores.update(range(int(a), int(b or a) + 1))
+    os.sched_setaffinity(0, cores)
+    import torch
+
+    torch.set_num_threads(len(cores))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,170 @@
+"""The coordinator (rank 0): applies the control policies to a serving engine and drives trainers.
+
+It is the engine's between-steps hook: it polls role messages, swaps in drafts the collection gate
+accepts, rolls back drafts that collapse live, turns capture on and off, and asks the trainers for
+a cycle when enough has been stored. Every decision is recorded with its time and reason.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from tide.config import TideConfig
+from tide.control import CollectAction, CollectionGate, Decision, RollbackAction, RollbackGate
+from tide.metrics import AcceptanceHistogram
+from tide.runtime.messages import (Deploy, DraftReady, Heartbeat, Shutdown, Train, TrainFailed, TrainProgress)
+from tide.runtime.transport import Transport
+from tide.serve.engine import RequestResult, TideEngine, Window
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Event:
+    t: float
+    kind: str
+    reason: str
+    version: int | None = None
+    data: dict[str, Any] = field(default_factory=dict)
+
+
+class Coordinator:
+    def __init__(self, cfg: TideConfig, engine: TideEngine, transport: Transport | None,
+                 trainer_ranks: list[int], peer_inference_ranks: list[int] = (), drafts_root: str = "") -> None:
+        self.cfg, self.engine, self.transport = cfg, engine, transport
+        self.trainer_ranks, self.peers = list(trainer_ranks), list(peer_inference_ranks)
+        self.collect = CollectionGate(cfg.control.collect)
+        self.rollback = RollbackGate(cfg.control.rollback, engine.gamma)
+        self.events: list[Event] = []
+        self.eval_al: dict[int, float] = {engine.version: float("nan")}
+        self.cycle = 0
+        self.progress: TrainProgress | None = None
+        self.trainer_seen = time.time()
+        self.trainer_alive = bool(trainer_ranks)
+        self._stored = 0
+        self._t0 = time.perf_counter()
+        self._last_poll = 0.0
+        self._swapped_in_window = False
+        self.drafts_root = drafts_root
+
+    # ------------------------------------------------------------------ bookkeeping
+    def now(self) -> float:
+        return time.perf_counter() - self._t0
+
+    def record(self, kind: str, reason: str, version: int | None = None, **data: Any) -> None:
+        self.events.append(Event(self.now(), kind, reason, version, data))
+        log.info("decision: %s%s: %s", kind, f" v{version}" if version is not None else "", reason)
+
+    def _apply(self, d: Decision) -> None:
+        if d.action is CollectAction.COLLECT:
+            self.engine.set_capture(True)
+            self.record("collect", d.reason)
+        elif d.action is CollectAction.TRAIN:
+            self._train(d.reason)
+        elif d.action is CollectAction.DEPLOY:
+            self._deploy(d.version, d.reason)
+        elif d.action is CollectAction.REJECT:
+            self.engine.set_capture(False)
+            self.record("reject", d.reason, d.version)
+
+    # ------------------------------------------------------------------ hooks
+    def start(self) -> None:
+        """A fresh (untrained) draft shows no shift; collect from the start."""
+        if self.engine.version == 0:
+            self._apply(self.collect.collect_now("serving an untrained draft (v0)"))
+        else:
+            self.engine.set_capture(False)
+
+    def on_result(self, r: RequestResult) -> None:
+        if r.speculate and sum(r.accept_counts) > 0:
+            d = self.collect.on_request(r.acceptance_length)
+            if d.action is not CollectAction.WAIT:
+                self._apply(d)
+
+    def on_window(self, w: Window) -> None:
+        new = w.stored_tokens - self._stored
+        self._stored = w.stored_tokens
+        if new > 0 and self.trainer_alive:
+            d = self.collect.on_stored(new)
+            if d.action is not CollectAction.WAIT:
+                self._apply(d)
+        if self._swapped_in_window:  # steps of two drafts: no evidence about either
+            self._swapped_in_window = False
+        elif self.rollback.watching:
+            d = self.rollback.decide(AcceptanceHistogram(len(w.accept_counts) - 1, list(w.accept_counts)))
+            if d.action is RollbackAction.ROLLBACK:
+                self.record("rollback", d.reason, d.version)
+                if d.version is None:
+                    self.engine.set_speculation(False)
+                else:
+                    self._swap(d.version)
+            elif d.action is RollbackAction.CONFIRM:
+                self.record("confirm", d.reason, d.version)
+        self._check_trainer()
+
+    def between_steps(self, engine: TideEngine, t: float) -> None:
+        if self.transport is None or t - self._last_poll < 0.1:
+            return
+        self._last_poll = t
+        for src, msg in self.transport.poll():
+            if src in self.trainer_ranks:
+                self.trainer_seen, self.trainer_alive = time.time(), True
+            if isinstance(msg, TrainProgress):
+                self.progress = msg
+            elif isinstance(msg, DraftReady):
+                self.record("trained", f"cycle {msg.cycle}: eval AL {msg.eval_al:.3f} (from {msg.base_al:.3f}) on "
+                            f"{msg.train_tokens} tokens in {msg.wall_s:.0f} s", msg.version,
+                            eval_al=msg.eval_al, base_al=msg.base_al)
+                self.eval_al[msg.version] = msg.eval_al
+                self._apply(self.collect.on_trained(msg.version, msg.eval_al, msg.base_al))
+            elif isinstance(msg, TrainFailed):
+                self.record("train-failed", msg.reason)
+                self._apply(self.collect.on_training_failed(msg.reason))
+            elif not isinstance(msg, Heartbeat):
+                log.warning("coordinator: unexpected %s from rank %d", type(msg).__name__, src)
+
+    # ------------------------------------------------------------------ actions
+    def _train(self, reason: str) -> None:
+        self.cycle += 1
+        for r in self.trainer_ranks:
+            self.transport.send(r, Train(self.cycle, self.cfg.store.retention_tokens, reason))  # type: ignore[union-attr]
+        self.record("train", reason, data_cycle=self.cycle)
+
+    def _deploy(self, version: int, reason: str) -> None:
+        previous = self.engine.version
+        if not self._swap(version):
+            return
+        self.record("deploy", reason, version)
+        self.rollback.watch(version, self.eval_al.get(version, float("nan")), previous)
+        self.engine.set_capture(self.collect.collecting)
+
+    def _swap(self, version: int) -> bool:
+        path = f"{self.drafts_root}/v{version}"
+        try:
+            pause = self.engine.swap(path, version)
+        except Exception as e:  # a draft that does not load degrades nothing: keep the live one
+            self.record("swap-failed", f"{path}: {type(e).__name__}: {e}"[:300], version)
+            return False
+        self.record("swap", f"hot-swapped in {pause:.1f} ms", version, pause_ms=pause)
+        self._swapped_in_window = True
+        for r in self.peers:
+            self.transport.send(r, Deploy(version, path))  # type: ignore[union-attr]
+        if not self.engine.speculate:
+            self.engine.set_speculation(True)
+        return True
+
+    def _check_trainer(self) -> None:
+        closed = getattr(self.transport, "closed", False)
+        if self.trainer_alive and (closed or time.time() - self.trainer_seen > self.cfg.runtime.trainer_timeout_s):
+            self.trainer_alive = False
+            self.record("trainer-down", "trainer connection closed" if closed else
+                        f"no heartbeat for {self.cfg.runtime.trainer_timeout_s:.0f} s: serving goes on with "
+                        f"draft v{self.engine.version}")
+            self._apply(self.collect.on_training_failed("trainer down"))
+
+    def shutdown(self, reason: str) -> None:
+        for r in self.trainer_ranks + self.peers:
+            self.transport.send(r, Shutdown(reason))  # type: ignore[union-attr]

@@ -1,0 +1,115 @@
+"""The serving role on rank 0: one TideEngine under the coordinator, then the run's results."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from tide.config import TideConfig, to_dict
+from tide.draft import DraftRegistry, init_draft, save_draft
+from tide.layout import RunLayout
+from tide.report import plot_run, segment, write_json, write_jsonl
+from tide.runtime.coordinator import Coordinator
+from tide.runtime.transport import Transport
+from tide.serve.engine import Request, RequestResult, TideEngine, Window
+
+log = logging.getLogger(__name__)
+
+
+def ensure_draft(cfg: TideConfig, run: RunLayout) -> int:
+    """Newest published draft; publishes v0 (an untrained head, or `draft.init`) on first start."""
+    reg = DraftRegistry(run.drafts)
+    if not reg.path(0).exists() and reg.latest() == 0:
+        if cfg.draft.init:
+            from tide.draft import load_draft
+
+            head = load_draft(Path(cfg.draft.init), run.target.path)
+        else:
+            head = init_draft(run.target.path, run.target.layer_ids, cfg.draft.draft_vocab_size, seed=cfg.train.seed)
+        save_draft(head, reg.path(0), {"version": 0, "note": cfg.draft.init or "untrained head"})
+    return reg.latest()
+
+
+def serve(cfg: TideConfig, run: RunLayout, requests: list[Request], transport: Transport | None,
+          trainer_ranks: list[int], peers: list[int] = ()) -> tuple[list[RequestResult], list[Window], list[Any]]:
+    version = ensure_draft(cfg, run)
+    engine = TideEngine(run.target, cfg.serve, run.drafts / f"v{version}", store_root=run.store,
+                        chunk_tokens=cfg.store.chunk_tokens, retention_tokens=cfg.store.retention_tokens,
+                        max_pending_chunks=cfg.store.max_pending_chunks, version=version, dtype=cfg.model.dtype)
+    coord = Coordinator(cfg, engine, transport, trainer_ranks, list(peers), str(run.drafts))
+    coord.start()
+    t0 = time.time()
+
+    def show(w: Window) -> None:
+        coord.on_window(w)
+        p = coord.progress
+        train = (f"train c{p.cycle} {p.step}/{p.steps} loss {p.loss:.2f}" if p and p.step < p.steps else
+                 "trainer idle" if coord.trainer_alive else "trainer down")
+        al = f"{w.acceptance_length:.2f}" if sum(w.accept_counts) else " -  "
+        log.info("[%5.0fs] AL %s  %6.1f tok/s  batch %.1f  draft v%d  spec %s  stored %6.1fk  %s", time.time() - t0,
+                 al, w.tokens_per_s, w.mean_batch, w.draft_version, "on " if w.speculate else "off",
+                 w.stored_tokens / 1e3, train)
+
+    try:
+        results, windows = engine.replay(requests, cfg.workload.concurrency, cfg.runtime.window_s,
+                                         between_steps=coord.between_steps, on_window=show, on_result=coord.on_result)
+        engine.flush()
+    finally:
+        if transport is not None:
+            coord.shutdown("workload done")
+        engine.close()
+    write_jsonl(run.out / "windows.jsonl", (w.to_json() for w in windows))
+    write_jsonl(run.out / "requests.jsonl", (r.to_json() for r in results))
+    write_json(run.out / "events.json", [asdict(e) for e in coord.events])
+    return results, windows, coord.events
+
+
+def nospec_rate(cfg: TideConfig, run: RunLayout, requests: list[Request]) -> dict[str, float]:
+    """The same requests on a plain vLLM engine (no speculative_config), one at a time."""
+    engine = TideEngine(run.target, cfg.serve, None, dtype=cfg.model.dtype)
+    try:
+        base = [Request(f"nospec-{r.request_id}", r.prompt_ids, r.max_tokens, None, r.workload) for r in requests]
+        results, _ = engine.replay(base, concurrency=cfg.workload.concurrency, window_s=1e9)
+    finally:
+        engine.close()
+    return segment(results)
+
+
+def summarize(cfg: TideConfig, run: RunLayout, results: list[RequestResult], windows: list[Window],
+              events: list[Any], nospec: dict[str, float] | None, tail: int) -> dict[str, Any]:
+    """summary.json and the plot: start = the first `tail` requests, end = the last `tail`."""
+    done = sorted(results, key=lambda r: r.finish)
+    start, end = segment(done[:tail]), segment(done[-tail:])
+    swaps = [e for e in events if e.kind == "swap"]
+    summary = {
+        "al_start": start["acceptance_length"], "al_end": end["acceptance_length"],
+        "tokens_per_s_start": start["tokens_per_s"], "tokens_per_s_end": end["tokens_per_s"],
+        "nospec_tokens_per_s": nospec["tokens_per_s"] if nospec else None,
+        "speedup_end_over_nospec": end["tokens_per_s"] / nospec["tokens_per_s"] if nospec else None,
+        "swaps": len(swaps), "versions": sorted({e.version for e in swaps}),
+        "requests": len(results), "output_tokens": sum(len(r.output_ids) for r in results),
+        "wall_s": windows[-1].t_end if windows else 0.0, "segment_requests": tail,
+        "stored_tokens": windows[-1].stored_tokens if windows else 0,
+        "events": [asdict(e) for e in events], "config": to_dict(cfg),
+    }
+    write_json(run.out / "summary.json", summary)
+    plot_run(run.out / "acceptance.png", windows, events,
+             f"{run.target.path.name}: AL {summary['al_start']:.2f} -> {summary['al_end']:.2f}, {len(swaps)} swaps")
+    return summary
+
+
+def run_coordinator(cfg: TideConfig, run: RunLayout, transport: Transport | None, trainer_ranks: list[int],
+                    tail: int = 0) -> dict[str, Any]:
+    """Rank 0's whole job: serve the configured workload, measure the no-speculation baseline on
+    the last `tail` prompts, and write summary.json, windows/requests JSONL, events and the plot."""
+    from tide.workload import build_requests
+
+    requests = build_requests(cfg.workload, run.target.path, cfg.serve.max_model_len - cfg.workload.max_tokens - 8)
+    tail = tail or max(1, len(requests) // 5)
+    results, windows, events = serve(cfg, run, requests, transport, trainer_ranks)
+    last = {r.request_id for r in sorted(results, key=lambda r: r.finish)[-tail:]}
+    nospec = nospec_rate(cfg, run, [r for r in requests if r.request_id in last]) if cfg.workload.nospec_baseline else None
+    return summarize(cfg, run, results, windows, events, nospec, tail)

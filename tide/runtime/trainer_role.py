@@ -1,0 +1,64 @@
+"""The trainer role: wait for `Train`, run one DeepSpeed cycle, answer `DraftReady` (or `TrainFailed`).
+
+Every trainer rank receives the same `Train` and runs the cycle together (one DeepSpeed group);
+the group's rank 0 answers. A failing cycle is reported, never fatal: the coordinator keeps serving
+with the last good draft. Heartbeats tell the coordinator the trainer is alive.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from tide.config import TideConfig
+from tide.layout import RunLayout
+from tide.runtime.messages import DraftReady, Heartbeat, Shutdown, Train, TrainFailed, TrainProgress
+from tide.runtime.transport import Transport
+
+log = logging.getLogger(__name__)
+
+
+def run_trainer(cfg: TideConfig, run: RunLayout, transport: Transport, coordinator: int = 0) -> None:
+    from tide.train import DraftTrainer
+
+    trainer = DraftTrainer.from_config(cfg, run)
+    leader = trainer.rank == 0
+    last_beat = 0.0
+    log.info("trainer rank %d/%d ready (MPI rank %d)", trainer.rank, trainer.world, transport.rank)
+    try:
+        while not getattr(transport, "closed", False):
+            if leader and time.time() - last_beat >= cfg.runtime.heartbeat_s:
+                transport.send(coordinator, Heartbeat("trainer", transport.rank, time.time()))
+                last_beat = time.time()
+            for _, msg in transport.poll():
+                if isinstance(msg, Shutdown):
+                    log.info("trainer: shutdown (%s)", msg.reason)
+                    return
+                if isinstance(msg, Train):
+                    _cycle(trainer, msg, transport, coordinator, leader)
+            time.sleep(0.2)
+    finally:
+        trainer.shutdown()
+
+
+def _cycle(trainer, msg: Train, transport: Transport, coordinator: int, leader: bool) -> None:
+    log.info("trainer: cycle %d (%s)", msg.cycle, msg.reason)
+
+    def progress(p: dict) -> None:
+        if p["step"] % 10 == 0 or p["step"] == p["steps"]:
+            transport.send(coordinator, TrainProgress(msg.cycle, p["step"], p["steps"], p["loss"], p["tokens_per_s"]))
+
+    try:
+        r = trainer.cycle(msg.window_tokens or None, on_progress=progress if leader else None)
+    except Exception as e:  # a failed cycle degrades the loop (no new draft), it never stops serving
+        log.exception("trainer: cycle %d failed", msg.cycle)
+        if leader:
+            transport.send(coordinator, TrainFailed(msg.cycle, f"{type(e).__name__}: {e}"[:300]))
+        return
+    if not leader:
+        return
+    if r is None:
+        transport.send(coordinator, TrainFailed(msg.cycle, "not enough stored data"))
+        return
+    transport.send(coordinator, DraftReady(msg.cycle, r.version, str(trainer.registry.path(r.version)),
+                                           r.al_after, r.al_before, r.train_tokens, r.wall_s))
