@@ -35,7 +35,6 @@ class _Pending:
     positions: list[np.ndarray] = field(default_factory=list)
     tokens: list[np.ndarray] = field(default_factory=list)
     hidden: list[np.ndarray] = field(default_factory=list)
-    accepted: list[int] = field(default_factory=list)  # accepted drafts per drafting step
 
 
 class _State:
@@ -45,7 +44,8 @@ class _State:
         self.capture = True
         self.version = 0
         self.writer: ChunkWriter | None = None
-        self.pending: dict[str, _Pending] = {}
+        self.pending: dict[str, _Pending] = {}  # captured rows of live requests
+        self.accepted: dict[str, list[int]] = {}  # accepted drafts per drafting step of live requests
         self.hist = AcceptanceHistogram(gamma)  # since the last tide_stats(reset=True)
         self.steps = 0
         self.captured_rows = 0
@@ -87,8 +87,7 @@ class TideWorkerExtension:
                 for rid, nd, v in zip(runner.input_batch.req_ids, spec_decode_metadata.num_draft_tokens, valid):
                     if nd > 0:
                         st.hist.add(v - 1)
-                        if rid in st.pending:
-                            st.pending[rid].accepted.append(v - 1)
+                        st.accepted.setdefault(rid, []).append(v - 1)
             st.steps += 1
             return outer_orig(scheduler_output, sampled_token_ids, sampling_metadata, hidden_states,
                               sample_hidden_states, aux_hidden_states, spec_decode_metadata,
@@ -149,11 +148,12 @@ class TideWorkerExtension:
         acceptance histogram and the rows handed to the chunk writer.
         """
         st, out = self._tide, {}
-        by_ext = {rid.rsplit("-", 1)[0]: rid for rid in st.pending}
+        by_ext = {rid.rsplit("-", 1)[0]: rid for rid in {*st.pending, *st.accepted}}
         for ext, (n_prompt, n_output, workload) in finished.items():
-            p = st.pending.pop(by_ext.get(ext, ext), None)
+            rid = by_ext.get(ext, ext)
+            p = st.pending.pop(rid, None)
             hist = AcceptanceHistogram(st.gamma)
-            for a in p.accepted if p else []:
+            for a in st.accepted.pop(rid, []):
                 hist.add(a)
             rows = 0
             if p and p.positions and st.writer is not None:

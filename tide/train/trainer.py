@@ -195,7 +195,7 @@ class DraftTrainer:
             tokens += b.num_tokens
             loss_v = loss.item()
             rate = tokens / max(time.time() - t_train, 1e-9)
-            bar.set_postfix(loss=f"{loss_v:.3f}", acc0=f"{accs[0]:.2f}", tok_s=f"{rate:.0f}")
+            bar.set_postfix(loss=f"{loss_v:.3f}", acc0=f"{accs[0]:.2f}", tok_s=f"{rate:.0f}", refresh=False)
             bar.update()
             if on_progress and self.rank == 0:
                 on_progress(dict(step=step + 1, steps=total, loss=loss_v, tokens_per_s=rate))
