@@ -67,7 +67,12 @@ class HetSlurmExecutor(submitit.SlurmExecutor):
         ex = cls(folder, [{"time": s.time, **c.sbatch_options()} for c in rest], mpi=s.mpi,
                  srun_timeout_s=spec.srun_timeout_s)
         setup = ["export PYTHONUNBUFFERED=1", *exports(s.env)]
-        ex.update_parameters(job_name=s.job_name, time=s.time, setup=setup, **first.sbatch_options())
+        # submitit's `--signal=USR2@90` (its preemption/timeout signal) reaches every rank; slurmctld
+        # sends it once `now + delay + 30 s >= end` (it checks every 30 s), i.e. at once in a 2-minute
+        # job. A quarter of the limit, at most 90 s, keeps it near the end.
+        delay = min(90, s.time * 60 // 4)
+        ex.update_parameters(job_name=s.job_name, time=s.time, setup=setup, signal_delay_s=delay,
+                             **first.sbatch_options())
         return ex
 
     def _make_submission_file_text(self, command: str, uid: str) -> str:

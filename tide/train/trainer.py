@@ -52,7 +52,8 @@ def init_distributed() -> tuple[int, int]:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1")
+        os.environ.setdefault("LOCAL_RANK", "0")  # a caller may have picked the device
     backend = "gloo" if get_accelerator().device_name() == "cpu" else None
     deepspeed.init_distributed(dist_backend=backend, verbose=False)
     return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
