@@ -12,8 +12,8 @@
 # Environment (read at run time; sbatch passes the submitting shell's environment on):
 #   TIDE_PYTHON        python on the compute nodes (default: ./.venv/bin/python, else python3)
 #   TIDE_OUT           OUTDIR when not given as the second argument (default runs/slurm-<jobid>)
-#   TIDE_SRUN_TIMEOUT  seconds before srun is killed (default: the job's time left minus 60 s); once in
-#                      about 20 runs srun did not return after its tasks had finished
+#   TIDE_SRUN_TIMEOUT  seconds before srun is stopped (default: the job's time left minus 60 s)
+#   TIDE_STEP_GRACE    seconds srun may take to return once every rank has exited (default 10)
 #   TIDE_CMD           replaces the whole command (a shell command line; tests run an MPI probe)
 #
 #SBATCH --job-name=tide
@@ -60,10 +60,55 @@ else
   CMD=("$PY" -m tide.runtime --config "$CONFIG" --out "$OUT")
 fi
 mkdir -p "$OUT"
+OUT=$(realpath "$OUT")  # ranks on other nodes share it, not our working directory's meaning
 export PYTHONUNBUFFERED=1
+
+# One srun step over every het group, guarded. Slurm 22.05's srun can hang after all tasks of a het
+# step have exited (mpi/pmix: srun joins its PMIx abort-agent thread once per het component). Each
+# rank leaves its exit code in DIR/<rank>. Once all have, or one failed (--kill-on-bad-exit ends the
+# others), srun gets TIDE_STEP_GRACE (10) s, or 3 times that after a failure, to return; then it is
+# killed and the ranks' codes decide. After SECS seconds (0 = never) srun is stopped: TERM, then
+# KILL 30 s later.
+tide_step() {  # tide_step SECS DIR SRUN [OPTIONS...] -- COMMAND...
+  local secs=$1 grace=${TIDE_STEP_GRACE:-10} t=0 all=-1 bad=-1 n=0 rc v srun=()
+  export TIDE_STEP_DIR=$2
+  shift 2
+  while [[ $1 != -- ]]; do srun+=("$1"); shift; done
+  shift
+  for v in ${!SLURM_NTASKS_HET_GROUP_*}; do n=$((n + ${!v})); done
+  ((n)) || n=${SLURM_NTASKS:-1}
+  mkdir -p "$TIDE_STEP_DIR"
+  "${srun[@]}" bash -c '"$@"; rc=$?; echo $rc >"$TIDE_STEP_DIR/$SLURM_PROCID"; exit $rc' rank "$@" &
+  local pid=$!
+  while kill -0 "$pid" 2>/dev/null; do
+    sleep 1
+    t=$((t + 1))
+    ((all < 0)) && (($(ls "$TIDE_STEP_DIR" | wc -l) >= n)) && all=$t
+    ((bad < 0)) && grep -qvx 0 "$TIDE_STEP_DIR"/* 2>/dev/null && bad=$t
+    if ((all >= 0 && t - all >= grace || bad >= 0 && t - bad >= 3 * grace)); then
+      echo "tide: the ranks are done, srun did not return (Slurm het-step hang): killing it" >&2
+      kill -KILL "$pid"
+      break
+    elif ((secs > 0 && t == secs)); then
+      echo "tide: srun still running after $secs s: stopping it" >&2
+      kill -TERM "$pid"
+    elif ((secs > 0 && t >= secs + 30)); then
+      kill -KILL "$pid"
+      break
+    fi
+  done
+  wait "$pid" 2>/dev/null
+  rc=$?
+  v=$(grep -hvx 0 "$TIDE_STEP_DIR"/* 2>/dev/null | head -1)  # a failed rank's code
+  if [[ -n $v ]]; then
+    rc=$v
+  elif (($(ls "$TIDE_STEP_DIR" | wc -l) >= n)); then  # every rank exited 0
+    rc=0
+  fi
+  rm -rf "$TIDE_STEP_DIR"
+  return "$rc"
+}
+
 echo "tide: job $SLURM_JOB_ID: serving on $SLURM_JOB_NODELIST_HET_GROUP_0 ($SLURM_JOB_PARTITION_HET_GROUP_0)," \
   "training on $SLURM_JOB_NODELIST_HET_GROUP_1 ($SLURM_JOB_PARTITION_HET_GROUP_1); out $OUT; srun timeout ${TIMEOUT}s"
-timeout --kill-after=30 "$TIMEOUT" srun --het-group=0,1 --mpi=pmix --kill-on-bad-exit=1 --label "${CMD[@]}"
-rc=$?
-[[ $rc == 124 ]] && echo "tide: srun still running after ${TIMEOUT}s, killed" >&2
-exit $rc
+tide_step "$TIMEOUT" "$OUT/.step-$SLURM_JOB_ID" srun --het-group=0,1 --mpi=pmix --kill-on-bad-exit=1 --label -- "${CMD[@]}"

@@ -17,7 +17,7 @@ from typing import Any, Mapping, Sequence
 import submitit
 from submitit.slurm.slurm import SlurmInfoWatcher, SlurmJob
 
-from tide.slurm import JobSpec, exports, job_states, sbatch_lines, srun_line
+from tide.slurm import STEP_GUARD, JobSpec, exports, job_states, sbatch_lines, step_line
 
 
 class HetInfoWatcher(SlurmInfoWatcher):
@@ -45,8 +45,8 @@ class HetSlurmExecutor(submitit.SlurmExecutor):
 
     Component 0 is set with `update_parameters` as usual; `het_components` lists the sbatch options of
     components 1..N. The text gains `#SBATCH hetjob` sections; srun runs over every het group (one
-    MPI_COMM_WORLD) inside `timeout`; the task count covers every component, so `results()` returns one
-    result per rank. Ranks find their pickle because SLURM_JOB_ID is the leader's id on every rank.
+    MPI_COMM_WORLD) through `tide_step` (tide.slurm.STEP_GUARD); the task count covers every
+    component, so `results()` returns one result per rank. Ranks find their pickle because SLURM_JOB_ID is the leader's id on every rank.
     Per-rank logs cannot use srun's `--output F/%j_%t_log.out`: in a het step srun expands %j to the
     component's own job id (no such folder: "could not connect IO") and %t, for component 1, to the
     global rank + 1. Each rank appends to F/${SLURM_JOB_ID}_${SLURM_PROCID}_log.{out,err} instead,
@@ -79,11 +79,12 @@ class HetSlurmExecutor(submitit.SlurmExecutor):
         lines = super()._make_submission_file_text(command, uid).split("\n")
         last = max(i for i, line in enumerate(lines) if line.startswith("#SBATCH"))
         lines[last + 1:last + 1] = [x for c in self.het_components for x in ["#SBATCH hetjob", *sbatch_lines(c)]]
-        return "\n".join(self._het_srun(line, command) if line.startswith("srun ") else line for line in lines)
+        return "\n".join(f"{STEP_GUARD}\n{self._het_srun(line, command)}" if line.startswith("srun ") else line
+                         for line in lines)
 
     def _het_srun(self, line: str, command: str) -> str:
         """`srun [opts] --output O --error E CMD`
-        -> `timeout .. srun --het-group=.. [opts] bash -c 'exec "$@" >>O 2>>E' bash CMD`."""
+        -> `tide_step .. srun --het-group=.. [opts] -- bash -c 'exec "$@" >>O 2>>E' bash CMD`."""
         assert line.endswith(command), line
         args, opts = iter(shlex.split(line[:-len(command)])[1:]), []
         logs: dict[str, str] = {}
@@ -100,8 +101,9 @@ class HetSlurmExecutor(submitit.SlurmExecutor):
 
         out = logs["--output"]
         redirect = f'exec "$@" >>{per_rank(out)} 2>>{per_rank(logs.get("--error", out))}'
-        srun = srun_line(1 + len(self.het_components), self.mpi, self.srun_timeout_s)
-        return f"{srun} {shlex.join(opts)} bash -c {shlex.quote(redirect)} bash {command}"
+        step_dir = per_rank(str(Path(self.folder) / ".step-%j"))[1:-1]
+        return step_line(1 + len(self.het_components), self.mpi, self.srun_timeout_s, step_dir, opts,
+                         f"bash -c {shlex.quote(redirect)} bash {command}")
 
     def _num_tasks(self) -> int:
         return super()._num_tasks() + sum(int(c.get("nodes", 1)) * int(c.get("ntasks_per_node", 1))

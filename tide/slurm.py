@@ -14,6 +14,10 @@ Two ways to submit the same job, both waited on by `wait`:
     so the only pickle is submitit's own (an argv list); logs and per-rank results in OUTDIR/submitit.
 This module imports no submitit, so tide.config can import SlurmConfig from it.
 
+Every batch script runs its step through `tide_step` (STEP_GUARD): srun of a het step sometimes
+does not return after all ranks have exited (Slurm 22.05 mpi/pmix), so the ranks' own exit codes
+decide, and srun gets a deadline.
+
 Job state comes from `scontrol show job` (slurmctld keeps finished jobs MinJobAge seconds) and then
 from sacct, whose het rows `<id>+0`, `<id>+1` are folded back into `<id>`; with neither it is UNKNOWN.
 """
@@ -98,7 +102,7 @@ class SlurmConfig:
     serve: ServeComponent = ServeComponent()  # het group 0
     train: TrainComponent = TrainComponent()  # het group 1
     env: dict[str, str] = field(default_factory=dict)  # exported in the batch script, for every rank
-    srun_timeout_s: int = 0  # srun is killed after this; 0 = time minus a margin (srun once hung after its steps)
+    srun_timeout_s: int = 0  # srun is stopped after this; 0 = time minus a margin, for the script to report
     mpi: str = "pmix"  # Debian's Open MPI works only with pmix (MPICH only with pmi2)
 
     def __post_init__(self) -> None:
@@ -115,6 +119,13 @@ class JobSpec:
     slurm: SlurmConfig
     command: tuple[str, ...]
     output_dir: str  # absolute; must be on a filesystem shared by both components
+
+    def __post_init__(self) -> None:
+        if not Path(self.output_dir).is_absolute() or any(c in self.output_dir for c in ' \t\n"$`\\\''):
+            raise ValueError(f"JobSpec.output_dir: an absolute path without spaces, quotes, $ or \\, "
+                             f"got {self.output_dir!r}")
+        if not self.command:
+            raise ValueError("JobSpec.command: empty; JobSpec.for_runtime() makes the tide.runtime one")
 
     @classmethod
     def for_runtime(cls, slurm: SlurmConfig, config: str | Path, output_dir: str | Path,
@@ -147,11 +158,63 @@ def sbatch_lines(opts: Mapping[str, Any]) -> list[str]:
     return [f"#SBATCH --{k.replace('_', '-')}={shlex.quote(str(v))}" for k, v in opts.items()]
 
 
-def srun_line(n_groups: int, mpi: str, timeout_s: int) -> str:
-    """srun over all het groups, inside `timeout` (the step can outlive its tasks); kill all on a bad exit."""
+# The guard every batch script defines (slurm/tide_hetjob.sh holds a copy; a test keeps them equal).
+STEP_GUARD = r'''# One srun step over every het group, guarded. Slurm 22.05's srun can hang after all tasks of a het
+# step have exited (mpi/pmix: srun joins its PMIx abort-agent thread once per het component). Each
+# rank leaves its exit code in DIR/<rank>. Once all have, or one failed (--kill-on-bad-exit ends the
+# others), srun gets TIDE_STEP_GRACE (10) s, or 3 times that after a failure, to return; then it is
+# killed and the ranks' codes decide. After SECS seconds (0 = never) srun is stopped: TERM, then
+# KILL 30 s later.
+tide_step() {  # tide_step SECS DIR SRUN [OPTIONS...] -- COMMAND...
+  local secs=$1 grace=${TIDE_STEP_GRACE:-10} t=0 all=-1 bad=-1 n=0 rc v srun=()
+  export TIDE_STEP_DIR=$2
+  shift 2
+  while [[ $1 != -- ]]; do srun+=("$1"); shift; done
+  shift
+  for v in ${!SLURM_NTASKS_HET_GROUP_*}; do n=$((n + ${!v})); done
+  ((n)) || n=${SLURM_NTASKS:-1}
+  mkdir -p "$TIDE_STEP_DIR"
+  "${srun[@]}" bash -c '"$@"; rc=$?; echo $rc >"$TIDE_STEP_DIR/$SLURM_PROCID"; exit $rc' rank "$@" &
+  local pid=$!
+  while kill -0 "$pid" 2>/dev/null; do
+    sleep 1
+    t=$((t + 1))
+    ((all < 0)) && (($(ls "$TIDE_STEP_DIR" | wc -l) >= n)) && all=$t
+    ((bad < 0)) && grep -qvx 0 "$TIDE_STEP_DIR"/* 2>/dev/null && bad=$t
+    if ((all >= 0 && t - all >= grace || bad >= 0 && t - bad >= 3 * grace)); then
+      echo "tide: the ranks are done, srun did not return (Slurm het-step hang): killing it" >&2
+      kill -KILL "$pid"
+      break
+    elif ((secs > 0 && t == secs)); then
+      echo "tide: srun still running after $secs s: stopping it" >&2
+      kill -TERM "$pid"
+    elif ((secs > 0 && t >= secs + 30)); then
+      kill -KILL "$pid"
+      break
+    fi
+  done
+  wait "$pid" 2>/dev/null
+  rc=$?
+  v=$(grep -hvx 0 "$TIDE_STEP_DIR"/* 2>/dev/null | head -1)  # a failed rank's code
+  if [[ -n $v ]]; then
+    rc=$v
+  elif (($(ls "$TIDE_STEP_DIR" | wc -l) >= n)); then  # every rank exited 0
+    rc=0
+  fi
+  rm -rf "$TIDE_STEP_DIR"
+  return "$rc"
+}
+'''
+
+
+def step_line(n_groups: int, mpi: str, timeout_s: int, step_dir: str, srun_opts: Sequence[str],
+              command: str) -> str:
+    """srun over all het groups (one MPI_COMM_WORLD) through `tide_step` (STEP_GUARD); a rank that
+    fails takes the others down (--kill-on-bad-exit). `step_dir` may hold ${SLURM_JOB_ID};
+    `command` is shell text."""
     groups = ",".join(str(i) for i in range(n_groups))
-    return (f"timeout --kill-after=30 {timeout_s} srun --het-group={groups} --mpi={mpi} "
-            "--kill-on-bad-exit=1")
+    srun = ["srun", f"--het-group={groups}", f"--mpi={mpi}", "--kill-on-bad-exit=1", *srun_opts]
+    return f'tide_step {timeout_s} "{step_dir}" {shlex.join(srun)} -- {command}'
 
 
 def render_hetjob_script(spec: JobSpec) -> str:
@@ -169,15 +232,12 @@ def render_hetjob_script(spec: JobSpec) -> str:
             lines.append("#SBATCH hetjob")
         lines.append(f"# het group {i}: {roles[i]}")
         lines += sbatch_lines({"time": time_str(s.time), **comp.sbatch_options()})
-    lines += ["", "export PYTHONUNBUFFERED=1"]
-    lines += exports(s.env)
+    lines += ["", "export PYTHONUNBUFFERED=1", *exports(s.env), "", *STEP_GUARD.splitlines(), ""]
     groups = ", ".join(f"group {i} ${{SLURM_JOB_NODELIST_HET_GROUP_{i}}}" for i in range(len(spec.components)))
-    timeout_s = spec.srun_timeout_s
+    step_dir = f"{out}/.step-${{SLURM_JOB_ID}}"
     lines += [f'echo "tide: job ${{SLURM_JOB_ID}}: {groups}"',
-              f"{srun_line(len(spec.components), s.mpi, timeout_s)} --label {shlex.join(spec.command)}",
-              "rc=$?",
-              f'[ "$rc" = 124 ] && echo "tide: srun still running after {timeout_s} s, killed" >&2',
-              'exit "$rc"', ""]
+              step_line(len(spec.components), s.mpi, spec.srun_timeout_s, step_dir, ["--label"],
+                        shlex.join(spec.command)), ""]
     return "\n".join(lines)
 
 

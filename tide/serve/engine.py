@@ -134,7 +134,7 @@ class TideEngine:
 
     def stats(self, reset: bool = True) -> dict[str, Any]:
         if not self.speculative:
-            return dict(accept_counts=[1], steps=0, writer={})
+            return dict(accept_counts=[0], steps=0, writer={})
         return self.rpc("tide_stats", reset)
 
     def flush(self) -> dict[str, int]:
