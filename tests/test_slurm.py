@@ -3,8 +3,9 @@
 The cluster tests (marked `slurm`) run the MPI probe tests/cluster/mpi_probe.py in place of
 `python -m tide.runtime` on 2 serving ranks (gpu_infer, n0) and 2 training ranks (gpu_train, n2+n3),
 and assert on what each rank printed: one MPI_COMM_WORLD of 4, group 0's ranks first, each group in its
-partition and on its nodes, with its fake GPUs. Every job has a 2-minute limit, srun a 60 s timeout and
-every wait a deadline: srun was once seen not to return after a het step.
+partition and on its nodes, with its fake GPUs. Every job has a 2-minute limit, srun a 60 s deadline
+and every wait one too; srun's occasional hang after a het step (about 1 job in 75 here) costs
+TIDE_STEP_GRACE (5 s here) through `tide_step`, which has its own tests with a fake srun.
 Regenerate the expected script with TIDE_UPDATE_EXPECTED=1.
 """
 
@@ -31,8 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 EXPECTED = ROOT / "tests" / "expected" / "hetjob.sbatch"
 STANDALONE = ROOT / "slurm" / "tide_hetjob.sh"
 PROBE = ROOT / "tests" / "cluster" / "mpi_probe.py"
-WAIT_S = 150  # > srun's 60 s timeout + 30 s to KILL, so a stuck job still ends on its own
-
+WAIT_S = 150  # > srun's 60 s deadline + 30 s to KILL, so a stuck job still ends on its own
 
 
 def ci_slurm() -> SlurmConfig:
@@ -227,7 +227,7 @@ def cluster() -> Iterator[dict[str, str]]:
     with pytest.MonkeyPatch.context() as mp:
         for k, v in env.items():
             mp.setenv(k, v)
-        mp.setenv("TIDE_STEP_GRACE", "3")  # sbatch passes it on: srun's het-step hang costs 3 s here
+        mp.setenv("TIDE_STEP_GRACE", "5")  # sbatch passes it on: srun's het-step hang costs 5 s here
         yield env
     if not was_up:
         stop_cluster(DEFAULT_STATE)
@@ -300,7 +300,7 @@ def test_failure_carries_evidence(cluster: dict[str, str], tmp_path: Path, execu
 @pytest.mark.timeout(120)
 def test_wait_deadline_cancels(cluster: dict[str, str], tmp_path: Path) -> None:
     job = slurm.submit(JobSpec(ci_slurm(), ("sleep", "100"), str(tmp_path)), executor="sbatch")
-    with pytest.raises(SlurmError, match=rf"Slurm job {job.job_id} still RUNNING after 5 s, cancelled"):
+    with pytest.raises(SlurmError, match=rf"Slurm job {job.job_id} still (PENDING|RUNNING) after 5 s, cancelled"):
         slurm.wait(job, 5, progress=False)
     for _ in range(60):  # scancel is asynchronous
         state = slurm.job_states([job.job_id])[job.job_id]

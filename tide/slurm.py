@@ -60,10 +60,6 @@ class Component:
         if self.gpus_per_node < 0:
             raise ValueError(f"Component.gpus_per_node: must be >= 0, got {self.gpus_per_node}")
 
-    @property
-    def ntasks(self) -> int:
-        return self.nodes * self.ntasks_per_node
-
     def sbatch_options(self) -> dict[str, Any]:
         """sbatch options with underscores (submitit's convention); gpus_per_node left out when 0."""
         opts = {"partition": self.partition, "nodes": self.nodes, "ntasks_per_node": self.ntasks_per_node,

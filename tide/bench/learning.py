@@ -35,9 +35,15 @@ def answers(target: Target, work: Path, data: Path, n: int, max_tokens: int = 19
         return [tuple(json.loads(line)) for line in cache.read_text().splitlines()]  # type: ignore[misc]
     reqs = build_requests(WorkloadConfig(dataset="gsm8k", path=str(data / "gsm8k" / "train.jsonl"),
                                          num_prompts=100_000, max_tokens=max_tokens), target.path, 1024)[:n]
-    eng = TideEngine(target, ServeConfig(max_num_seqs=8, max_model_len=2048, max_num_batched_tokens=2048), None)
+    eng = TideEngine(target, ServeConfig(max_num_seqs=16, max_model_len=2048, max_num_batched_tokens=2048), None)
+    done = [0]
+
+    def progress(w) -> None:
+        done[0] += w.tokens
+        log.info("answers: %d tokens generated, %.0f tok/s", done[0], w.tokens_per_s)
+
     try:
-        res, _ = eng.replay(reqs, concurrency=8, window_s=1e9)
+        res, _ = eng.replay(reqs, concurrency=16, window_s=30.0, on_window=progress)
     finally:
         eng.close()
     prompts = {r.request_id: r.prompt_ids for r in reqs}
@@ -63,7 +69,7 @@ def _cycle(target: Target, store: Path, drafts: Path, cfg: TrainConfig):
 
 def draft_learning(work: Path, data: Path, quick: bool = False) -> dict[str, Any]:
     target = _target()
-    reqs = answers(target, work, data, 40 if quick else 240)
+    reqs = answers(target, work, data, 40 if quick else 200)
     store = work / "store"
     shutil.rmtree(store, ignore_errors=True)
     t0 = time.time()
@@ -82,7 +88,7 @@ def training_cycle(work: Path, data: Path, quick: bool = False) -> dict[str, Any
     the recompute baseline first regenerates their hidden states with the target, then trains the
     same way. Ratio = recompute time / TIDE time."""
     target = _target()
-    reqs = answers(target, work.parent / "draft-learning", data, 40 if quick else 240)
+    reqs = answers(target, work.parent / "draft-learning", data, 40 if quick else 200)
     store = work / "store"
     shutil.rmtree(store, ignore_errors=True)
     t0 = time.time()
