@@ -5,7 +5,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-APT_PACKAGES=(openmpi-bin libopenmpi-dev hdf5-tools numactl)
+# MPI for the runtime, h5dump for the store test, Slurm + munge for the local test cluster
+APT_PACKAGES=(openmpi-bin libopenmpi-dev hdf5-tools numactl slurmctld slurmd slurm-client munge)
 missing=()
 for p in "${APT_PACKAGES[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
 if ((${#missing[@]})); then

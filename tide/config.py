@@ -18,6 +18,7 @@ from typing import Any, Literal, TypeVar
 import yaml
 
 from tide.control import CollectConfig, GateConfig, RollbackConfig
+from tide.slurm import SlurmConfig
 
 T = TypeVar("T")
 
@@ -134,6 +135,7 @@ class TideConfig:
     workload: WorkloadConfig = field(default_factory=WorkloadConfig)
     control: ControlConfig = field(default_factory=ControlConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    slurm: SlurmConfig = field(default_factory=SlurmConfig)
 
 
 def load_config(path: str | Path, cls: type[T] = TideConfig) -> T:  # type: ignore[assignment]

@@ -56,6 +56,24 @@ def run_local(cfg: TideConfig, config: Path, out: Path) -> dict:
     return summary
 
 
+def run_slurm(cfg: TideConfig, config: Path, out: Path, dry_run: bool) -> int:
+    """Submit the het job through submitit, show its state while waiting, report where results are."""
+    from tide.slurm import JobSpec, SlurmError, submit, wait
+    from tide.slurm import dry_run as render
+
+    spec = JobSpec.for_runtime(cfg.slurm, config, out)
+    if dry_run:
+        print(render(spec, "slurm"))
+        return 0
+    try:
+        result = wait(submit(spec, "slurm"), timeout=cfg.slurm.time * 60 + 120)
+    except SlurmError as e:
+        print(f"tide.launch: error: {e}", file=sys.stderr)
+        return 1
+    log.info("job %s %s after %.0f s; results in %s", result.job_id, result.state, result.elapsed_s, out)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m tide.launch", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -68,9 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(args.config)
         if args.executor == "slurm":
-            from tide.slurm import launch as launch_slurm
-
-            return launch_slurm(cfg, args.config, args.out, dry_run=args.dry_run)
+            return run_slurm(cfg, args.config, args.out, args.dry_run)
         if args.dry_run:
             print(f"local: serve + train {cfg.model.target} with {args.config} into {args.out}")
             return 0
