@@ -4,7 +4,6 @@ writes its figures as JSON; docs/BENCHMARKS.md records them with command, machin
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import platform
 import sys

@@ -12,7 +12,7 @@ from typing import Any
 
 from tide.config import ServeConfig, TrainConfig, load_config
 from tide.recompute import write_recomputed
-from tide.serve.engine import Request, TideEngine
+from tide.serve.engine import TideEngine
 from tide.target import Target
 
 log = logging.getLogger(__name__)
@@ -67,15 +67,19 @@ def _cycle(target: Target, store: Path, drafts: Path, cfg: TrainConfig):
     return trainer.cycle()
 
 
-def draft_learning(work: Path, data: Path, quick: bool = False) -> dict[str, Any]:
-    target = _target()
-    reqs = answers(target, work, data, 40 if quick else 200)
+def _recompute_and_train(target: Target, work: Path, reqs: list, quick: bool):
+    """Hidden states of `reqs` regenerated into a fresh store, then one cycle; (seconds, result)."""
     store = work / "store"
     shutil.rmtree(store, ignore_errors=True)
     t0 = time.time()
     write_recomputed(target, store, reqs, workload="gsm8k")
-    recompute_s = time.time() - t0
-    r = _cycle(target, store, work / "drafts", _train_cfg(quick))
+    return time.time() - t0, _cycle(target, store, work / "drafts", _train_cfg(quick))
+
+
+def draft_learning(work: Path, data: Path, quick: bool = False) -> dict[str, Any]:
+    target = _target()
+    reqs = answers(target, work, data, 40 if quick else 200)
+    recompute_s, r = _recompute_and_train(target, work, reqs, quick)
     return {"al_before": r.al_before, "al_after": r.al_after, "gamma": _train_cfg(quick).gamma,
             "train_tokens": r.train_tokens, "wall_s": r.wall_s, "train_steps": r.steps,
             "train_tokens_per_s": r.tokens_per_s, "vocab_coverage": r.vocab_coverage,
@@ -89,12 +93,7 @@ def training_cycle(work: Path, data: Path, quick: bool = False) -> dict[str, Any
     same way. Ratio = recompute time / TIDE time."""
     target = _target()
     reqs = answers(target, work.parent / "draft-learning", data, 40 if quick else 200)
-    store = work / "store"
-    shutil.rmtree(store, ignore_errors=True)
-    t0 = time.time()
-    write_recomputed(target, store, reqs, workload="gsm8k")
-    regenerate_s = time.time() - t0
-    r = _cycle(target, store, work / "drafts", _train_cfg(quick))
+    regenerate_s, r = _recompute_and_train(target, work, reqs, quick)
     tide_s = r.wall_s
     recompute_s = regenerate_s + r.wall_s
     return {"fresh_tokens": sum(len(p) + len(o) - 1 for _, p, o in reqs), "tide_s": tide_s,
