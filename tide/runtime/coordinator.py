@@ -78,6 +78,22 @@ class Coordinator:
         else:
             self.engine.set_capture(False)
 
+    def wait_for_trainer(self, timeout: float) -> None:
+        """Serve once a trainer has said hello (or `timeout` passed): a trainer still importing and
+        building its ops would otherwise take the first training request late. After this, serving
+        never waits for training."""
+        if not self.trainer_ranks or self.transport is None:
+            return
+        t0 = time.time()
+        while time.time() - t0 < timeout:
+            if any(src in self.trainer_ranks for src, _ in self.transport.poll()):
+                self.trainer_seen, self.trainer_alive = time.time(), True
+                log.info("coordinator: trainer up after %.1f s", time.time() - t0)
+                return
+            time.sleep(0.2)
+        self.trainer_alive = False
+        self.record("trainer-down", f"no trainer heartbeat within {timeout:.0f} s: serving without training")
+
     def on_result(self, r: RequestResult) -> None:
         if r.speculate and sum(r.accept_counts) > 0:
             d = self.collect.on_request(r.acceptance_length)

@@ -40,6 +40,7 @@ def serve(cfg: TideConfig, run: RunLayout, requests: list[Request], transport: T
                         chunk_tokens=cfg.store.chunk_tokens, retention_tokens=cfg.store.retention_tokens,
                         max_pending_chunks=cfg.store.max_pending_chunks, version=version, dtype=cfg.model.dtype)
     coord = Coordinator(cfg, engine, transport, trainer_ranks, list(peers), str(run.drafts))
+    coord.wait_for_trainer(cfg.runtime.trainer_start_timeout_s)
     coord.start()
     t0 = time.time()
 
