@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", type=Path, required=True, help="where to write the figures")
     p.add_argument("--work", type=Path, default=Path("runs/bench"), help="scratch dir (models, stores, drafts)")
     p.add_argument("--data", type=Path, default=Path("../shared/data"), help="prompt sets (see docs/BENCHMARKS.md)")
-    p.add_argument("--quick", action="store_true", help="a small version, to check that the bench runs")
+    p.add_argument("--quick", action="store_true", help="a smaller version (fewer prompts, pairs or tokens)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr)
     module, fn = BENCHES[args.name].split(":")

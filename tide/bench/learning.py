@@ -53,9 +53,9 @@ def answers(target: Target, work: Path, data: Path, n: int, max_tokens: int = 19
     return out
 
 
-def _train_cfg(quick: bool) -> TrainConfig:
-    cfg = load_config(ROOT / "configs" / "local.yaml").train
-    return TrainConfig(**{**cfg.__dict__, "max_steps": 30 if quick else 0})
+def _train_cfg() -> TrainConfig:
+    """The embedded default's trainer settings, unchanged."""
+    return load_config(ROOT / "configs" / "local.yaml").train
 
 
 def _cycle(target: Target, store: Path, drafts: Path, cfg: TrainConfig):
@@ -67,20 +67,20 @@ def _cycle(target: Target, store: Path, drafts: Path, cfg: TrainConfig):
     return trainer.cycle()
 
 
-def _recompute_and_train(target: Target, work: Path, reqs: list, quick: bool):
+def _recompute_and_train(target: Target, work: Path, reqs: list):
     """Hidden states of `reqs` regenerated into a fresh store, then one cycle; (seconds, result)."""
     store = work / "store"
     shutil.rmtree(store, ignore_errors=True)
     t0 = time.time()
     write_recomputed(target, store, reqs, workload="gsm8k")
-    return time.time() - t0, _cycle(target, store, work / "drafts", _train_cfg(quick))
+    return time.time() - t0, _cycle(target, store, work / "drafts", _train_cfg())
 
 
 def draft_learning(work: Path, data: Path, quick: bool = False) -> dict[str, Any]:
     target = _target()
-    reqs = answers(target, work, data, 40 if quick else 200)
-    recompute_s, r = _recompute_and_train(target, work, reqs, quick)
-    return {"al_before": r.al_before, "al_after": r.al_after, "gamma": _train_cfg(quick).gamma,
+    reqs = answers(target, work, data, 80 if quick else 200)
+    recompute_s, r = _recompute_and_train(target, work, reqs)
+    return {"al_before": r.al_before, "al_after": r.al_after, "gamma": _train_cfg().gamma,
             "train_tokens": r.train_tokens, "wall_s": r.wall_s, "train_steps": r.steps,
             "train_tokens_per_s": r.tokens_per_s, "vocab_coverage": r.vocab_coverage,
             "questions": len(reqs), "output_tokens": sum(len(o) for _, _, o in reqs),
@@ -92,8 +92,8 @@ def training_cycle(work: Path, data: Path, quick: bool = False) -> dict[str, Any
     the recompute baseline first regenerates their hidden states with the target, then trains the
     same way. Ratio = recompute time / TIDE time."""
     target = _target()
-    reqs = answers(target, work.parent / "draft-learning", data, 40 if quick else 200)
-    regenerate_s, r = _recompute_and_train(target, work, reqs, quick)
+    reqs = answers(target, work.parent / "draft-learning", data, 80 if quick else 200)
+    regenerate_s, r = _recompute_and_train(target, work, reqs)
     tide_s = r.wall_s
     recompute_s = regenerate_s + r.wall_s
     return {"fresh_tokens": sum(len(p) + len(o) - 1 for _, p, o in reqs), "tide_s": tide_s,
