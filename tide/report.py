@@ -16,10 +16,9 @@ def segment(results: list[RequestResult]) -> dict[str, float]:
     """AL and per-request decode rate (output tokens / time in service) over some requests.
 
     The rate is the batch-1 throughput when requests are served one at a time (the main job)."""
-    hist = None
+    hist = AcceptanceHistogram(len(results[0].accept_counts) - 1) if results else None
     for r in results:
-        h = AcceptanceHistogram(len(r.accept_counts) - 1, list(r.accept_counts))
-        hist = h if hist is None else (hist.merge(h) or hist)
+        hist.merge(AcceptanceHistogram(len(r.accept_counts) - 1, list(r.accept_counts)))
     busy = sum(r.finish - r.arrival for r in results)
     tokens = sum(len(r.output_ids) for r in results)
     return {"acceptance_length": hist.acceptance_length if hist else 1.0,
