@@ -94,12 +94,19 @@ def summarize(cfg: TideConfig, run: RunLayout, results: list[RequestResult], win
         "requests": len(results), "output_tokens": sum(len(r.output_ids) for r in results),
         "wall_s": windows[-1].t_end if windows else 0.0, "segment_requests": tail,
         "stored_tokens": windows[-1].stored_tokens if windows else 0,
+        "training": training_state(events),
         "events": [asdict(e) for e in events], "config": to_dict(cfg),
     }
     write_json(run.out / "summary.json", summary)
     plot_run(run.out / "acceptance.png", windows, events,
              f"{run.target.path.name}: AL {summary['al_start']:.2f} -> {summary['al_end']:.2f}, {len(swaps)} swaps")
     return summary
+
+
+def training_state(events: list[Any]) -> str:
+    """'degraded' once the trainer went down or a cycle failed (serving went on with the last good
+    draft), else 'ok'."""
+    return "degraded" if any(e.kind in ("trainer-down", "train-failed") for e in events) else "ok"
 
 
 def run_coordinator(cfg: TideConfig, run: RunLayout, transport: Transport | None, trainer_ranks: list[int],
