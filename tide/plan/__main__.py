@@ -1,4 +1,5 @@
-"""`python -m tide.plan --inventory FILE [--json OUT]`: which GPUs serve, which train, what it buys."""
+"""`python -m tide.plan --inventory FILE [--json OUT]`: which GPUs serve, which train, what it buys.
+`python -m tide.plan simulate --scenario FILE ...`: the same loop over time, at cluster scale."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import json
 import os
 import sys
 from pathlib import Path
+
+from typing import Any
 
 from tide.config import ConfigError
 from tide.plan.planner import Inventory, Plan, load_inventory, plan
@@ -28,16 +31,19 @@ def format_plan(inv: Inventory, p: Plan) -> str:
     return "\n".join(rows)
 
 
-def write_json(path: Path, inv: Inventory, p: Plan) -> None:
-    """Write the plan and the resolved classes atomically (temporary name, then rename)."""
-    data = {**dataclasses.asdict(p), "classes": [dataclasses.asdict(g) for g in inv.gpus]}
+def write_json(path: Path, data: Any) -> None:
+    """Write JSON atomically (temporary name, then rename): a reader never sees half a file."""
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(data, indent=2) + "\n")
     os.replace(tmp, path)
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Parse -> load the inventory -> plan -> print (and write JSON). Exit 2 on a bad inventory."""
+    """Parse -> load the inventory -> plan -> print (and write JSON). Exit 2 on a bad inventory.
+    `simulate` as the first argument runs the simulator instead (`simulate_main`)."""
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["simulate"]:
+        return simulate_main(argv[1:])
     ap = argparse.ArgumentParser(
         prog="python -m tide.plan",
         description="Split a GPU inventory between serving and draft training; predict throughput "
@@ -45,7 +51,8 @@ def main(argv: list[str] | None = None) -> int:
         epilog="Inventory YAML: speedup (s sustained by an aligned draft), train_demand (MI250-training "
                "units; 0 or left out = default_train_demand, 1.0), classes: NAME: {count, inference?, "
                "training?}; figures default to the paper's for H100, MI300X, MI250 (MI250 = 1). "
-               "Model and worked example: tide/plan/planner.py.")
+               "Model and worked example: tide/plan/planner.py. The loop over time (shifts, storage, "
+               "trainers, recovery): python -m tide.plan simulate --help.")
     ap.add_argument("--inventory", required=True, metavar="FILE",
                     help="inventory YAML, e.g. configs/inventory/h100x8_mi250x4.yaml")
     ap.add_argument("--json", metavar="OUT", type=Path, help="also write the plan as JSON here")
@@ -58,7 +65,78 @@ def main(argv: list[str] | None = None) -> int:
     p = plan(inv)
     print(format_plan(inv, p))
     if args.json:
-        write_json(args.json, inv, p)
+        write_json(args.json, {**dataclasses.asdict(p), "classes": [dataclasses.asdict(g) for g in inv.gpus]})
+    return 0
+
+
+def simulate_main(argv: list[str]) -> int:
+    """Parse -> scenario (with --set) -> one run, a sweep, or a comparison with a measured run ->
+    print, write JSON and plot. Exit 2 on a bad scenario, override or measured file."""
+    from tide.plan import simreport
+
+    ap = argparse.ArgumentParser(
+        prog="python -m tide.plan simulate",
+        description="Discrete-event model of the TIDE loop at cluster scale: serving instances whose "
+                    "throughput follows the live acceptance length (Eq. 5), capture of 6H+9 bytes per kept "
+                    "row into a store whose write bandwidth saturates with writers, trainers that run a "
+                    "cycle every N_threshold stored rows, deploys that lift acceptance along a recovery "
+                    "curve, and a schedule of workload shifts. Prints throughput against a static draft "
+                    "and against every GPU serving plainly, dropped capture, and per shift the time to "
+                    "a published draft, to recovery, and the bottleneck (detect, capture, storage, training).",
+        epilog="Scenario YAML (configs/simulate/*.yaml): hidden_size, duration_s, al_aligned, detect_s, "
+               "serving {tokens_per_s, instances, gpu, gpus_per_instance, gamma, draft_cost, verify_cost, "
+               "keep_fraction}, storage {bandwidth: [[writers, bytes_per_s], ...], row_overhead_bytes}, "
+               "training {count, gpu, tokens_per_s_per_gpu, plain_tokens_per_s_per_gpu, dp_efficiency, epochs, "
+               "cycle_fixed_s, start_s, n_threshold, retention_tokens, eval_fraction, cycles_per_shift, "
+               "deploy_s}, shifts [{at_s, al, al_recovered}], recovery [[rows, fraction], ...]. "
+               "Model, defaults, validation and a worked example: docs/SIMULATOR.md.")
+    ap.add_argument("--scenario", required=True, metavar="FILE",
+                    help="scenario YAML, e.g. configs/simulate/cluster-64h100-16mi250.yaml")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="override one scenario value by its key path, e.g. training.count=8 or "
+                         "shifts[0].al=1.2 (repeatable)")
+    ap.add_argument("--sweep", metavar="KEY=V1,V2,...",
+                    help="run once per value of one key and print one row each, e.g. training.count=1,2,4,8,16 "
+                         "(how many trainers) or serving.instances=1,2,4,8,16 (when storage limits)")
+    ap.add_argument("--measured", metavar="JSON", type=Path,
+                    help="a measured run (tide.bench.pipeline's JSON, or any JSON with its keys): print the "
+                         "prediction next to it with the relative error")
+    ap.add_argument("--json", metavar="OUT", type=Path, help="also write the figures (and timeline) as JSON")
+    ap.add_argument("--plot", metavar="OUT.png", type=Path,
+                    help="plot the timeline (one run) or the sweep's answers (with --sweep)")
+    args = ap.parse_args(argv)
+    try:
+        sets = [(k, v[0]) for k, v in (simreport.parse_assignment(a, "--set") for a in args.set)]
+        sweep = simreport.parse_assignment(args.sweep, "--sweep") if args.sweep else None
+        scenarios = [simreport.with_overrides(args.scenario, sets + [(sweep[0], v)]) for v in sweep[1]] \
+            if sweep else [simreport.with_overrides(args.scenario, sets)]
+        measured = json.loads(args.measured.read_text()) if args.measured else None
+    except (ConfigError, OSError, ValueError) as e:
+        print(e if isinstance(e, ConfigError) else f"{args.measured}: cannot read: {e}", file=sys.stderr)
+        return 2
+    data: dict[str, Any] = {"scenario_file": args.scenario, "set": args.set}
+    if sweep:
+        rows = [simreport.sweep_row(v, simreport.summarize(s)[0]) for v, s in zip(sweep[1], scenarios)]
+        print(simreport.format_sweep(sweep[0], rows))
+        data["sweep"] = {"key": sweep[0], "rows": rows}
+        if args.plot:
+            from tide.plan.plot import plot_sweep
+            plot_sweep(sweep[0], rows, args.plot)
+    else:
+        (s,) = scenarios
+        summary, result, static = simreport.summarize(s)
+        print(simreport.format_summary(s, summary))
+        data.update(scenario=dataclasses.asdict(s), summary=summary,
+                    timeline=[dataclasses.asdict(g) for g in result.timeline])
+        if measured is not None:
+            rows = simreport.compare(simreport.predictions(s, result), measured)
+            print(f"\npredicted vs measured ({args.measured})\n{simreport.format_compare(rows)}")
+            data["validation"] = {"measured_file": str(args.measured), "rows": rows}
+        if args.plot:
+            from tide.plan.plot import plot_timeline
+            plot_timeline(s, result, static, args.plot)
+    if args.json:
+        write_json(args.json, data)
     return 0
 
 
