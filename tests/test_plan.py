@@ -12,7 +12,8 @@ import pytest
 from tide.config import ConfigError
 from tide.plan import KNOWN, load_inventory, parse_inventory, plan
 from tide.plan.__main__ import main
-from tide.plan.simulate import draft_params, load_scenario, parse_scenario, simulate, trainer_tokens_per_s, with_training
+from tide.plan.scenario import draft_params, load_scenario, parse_scenario, trainer_tokens_per_s, with_training
+from tide.plan.simulate import simulate
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -199,7 +200,9 @@ def test_shift_then_recovery_along_the_curve() -> None:
     assert sh.threshold_s == pytest.approx(2.0 + 20_000 / rate)  # nothing dropped: 98 MB/s < 693 MB/s
     assert r.dropped_tokens == 0 and not sh.storage_limited
     assert sh.published_s == pytest.approx(sh.threshold_s + sh.cycle_s) and sh.recovered_s == sh.published_s
-    assert sh.cycle_s == pytest.approx(22.0 + 2 * 20_000 * 0.9 / r.train_tokens_per_s)
+    # fixed cost + reading the window (every rank reads all of it) + 2 epochs over its train split
+    read_s = 20_000 * (6 * 4096 + 9) / 307.5e6
+    assert sh.cycle_s == pytest.approx(7.65 + read_s + 2 * 20_000 * 0.9 / r.train_tokens_per_s)
     # 20k rows on the default curve (0 -> 0, 37.1k -> 0.40): 0.216 of the lost 0.9 AL comes back
     assert sh.al_final == pytest.approx(1.1 + 0.9 * 0.40 * 20_000 / 37_100)
     assert [seg.al for seg in r.timeline][0] == 2.0 and r.timeline[-1].al == pytest.approx(sh.al_final)
@@ -243,6 +246,8 @@ def test_bottleneck_names_the_longest_phase() -> None:
     one_slow_trainer = scenario(training={"count": 1, "tokens_per_s_per_gpu": 100.0, "n_threshold": 20_000,
                                           "retention_tokens": 100_000})
     assert simulate(parse_scenario(one_slow_trainer)).shifts[0].bottleneck == "training"
+    slow_read = scenario(training={"read_bytes_per_s": 1e6, "n_threshold": 20_000, "retention_tokens": 100_000})
+    assert simulate(parse_scenario(slow_read)).shifts[0].bottleneck == "read"  # 20k rows x 24.6 kB at 1 MB/s
 
 
 def test_cycle_of_an_earlier_workload_is_discarded() -> None:
@@ -251,6 +256,8 @@ def test_cycle_of_an_earlier_workload_is_discarded() -> None:
     first, second = simulate(s).shifts
     assert first.cycles == 1 and first.threshold_s < 10 and first.recovered_s is None and first.al_final == 1.1
     assert second.recovered_s is not None and second.al_final > 1.05
+    # its rows were stored 2 + 5 s after it, but the trainer was busy: waiting counts as training
+    assert second.threshold_s == pytest.approx(2.0 + 20_000 / 4000) and second.bottleneck == "training"
 
 
 def test_steady_state_matches_the_planner() -> None:
@@ -270,15 +277,22 @@ def test_trainer_estimate_scales_with_class_and_draft_size() -> None:
     assert trainer_tokens_per_s("B200", 4096) is None
 
 
-def test_pipeline_scenario_reproduces_its_own_run() -> None:
-    """In-sample: the scenario's figures come from this run, so only the bookkeeping is checked."""
-    from tide.plan.simreport import compare, predictions
+def test_pipeline_scenario_predicts_the_measured_runs() -> None:
+    """The reference run (its rates are the scenario's; its cycle costs were fitted on two other runs)
+    and the 131072-row rerun (left out of the fit; its own capture, training and start-up rates)."""
+    from tide.plan.simreport import compare, predictions, with_overrides
 
-    s = load_scenario(PIPELINE)
-    measured = json.loads((ROOT / "docs/bench/gpu-h200x2-pipeline.json").read_text())
-    rows = {r["figure"]: r for r in compare(predictions(s, simulate(s)), measured)}
-    assert abs(rows["shift_to_published_s"]["error"]) < 0.02 and abs(rows["shift_to_threshold_s"]["error"]) < 0.03
-    assert rows["keeps_up"]["match"] and abs(rows["bytes_per_token"]["error"]) < 0.01
+    def errors(s, measured: str) -> dict:
+        m = json.loads((ROOT / "docs/bench" / measured).read_text())
+        return {r["figure"]: r for r in compare(predictions(s, simulate(s)), m)}
+
+    ref = errors(load_scenario(PIPELINE), "gpu-h200x2-pipeline.json")
+    assert abs(ref["shift_to_published_s"]["error"]) < 0.10 and abs(ref["shift_to_threshold_s"]["error"]) < 0.03
+    assert abs(ref["bytes_per_token"]["error"]) < 0.01
+    rerun = with_overrides(PIPELINE, [("serving.tokens_per_s", 6011), ("training.tokens_per_s_per_gpu", 39724),
+                                      ("detect_s", 12.5)])
+    new = errors(rerun, "simulate-measured-pipeline-t131072.json")
+    assert abs(new["shift_to_published_s"]["error"]) < 0.10 and new["keeps_up"]["match"]
 
 
 def sim_error(data: object) -> str:

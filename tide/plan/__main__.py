@@ -82,12 +82,14 @@ def simulate_main(argv: list[str]) -> int:
                     "cycle every N_threshold stored rows, deploys that lift acceptance along a recovery "
                     "curve, and a schedule of workload shifts. Prints throughput against a static draft "
                     "and against every GPU serving plainly, dropped capture, and per shift the time to "
-                    "a published draft, to recovery, and the bottleneck (detect, capture, storage, training).",
+                    "a published draft, to recovery, and the bottleneck (detect, capture, storage, the trainer's "
+                    "read of the retention window, training).",
         epilog="Scenario YAML (configs/simulate/*.yaml): hidden_size, duration_s, al_aligned, detect_s, "
                "serving {tokens_per_s, instances, gpu, gpus_per_instance, gamma, draft_cost, verify_cost, "
                "keep_fraction}, storage {bandwidth: [[writers, bytes_per_s], ...], row_overhead_bytes}, "
                "training {count, gpu, tokens_per_s_per_gpu, plain_tokens_per_s_per_gpu, dp_efficiency, epochs, "
-               "cycle_fixed_s, start_s, n_threshold, retention_tokens, eval_fraction, cycles_per_shift, "
+               "cycle_fixed_s, read_bytes_per_s, start_s, n_threshold, retention_tokens, eval_fraction, "
+               "cycles_per_shift, "
                "deploy_s}, shifts [{at_s, al, al_recovered}], recovery [[rows, fraction], ...]. "
                "Model, defaults, validation and a worked example: docs/SIMULATOR.md.")
     ap.add_argument("--scenario", required=True, metavar="FILE",
@@ -105,6 +107,9 @@ def simulate_main(argv: list[str]) -> int:
     ap.add_argument("--plot", metavar="OUT.png", type=Path,
                     help="plot the timeline (one run) or the sweep's answers (with --sweep)")
     args = ap.parse_args(argv)
+    if args.sweep and args.measured:
+        print("--measured compares one run with a measurement: leave out --sweep", file=sys.stderr)
+        return 2
     try:
         sets = [(k, v[0]) for k, v in (simreport.parse_assignment(a, "--set") for a in args.set)]
         sweep = simreport.parse_assignment(args.sweep, "--sweep") if args.sweep else None

@@ -5,7 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from tide.plan.simulate import Result, Scenario
+from tide.plan.scenario import Scenario
+from tide.plan.simulate import Result
 
 
 def _steps(r: Result, value: str) -> tuple[list[float], list[float]]:
@@ -53,7 +54,8 @@ def plot_timeline(s: Scenario, r: Result, static: Result, path: Path) -> None:
     top.legend(loc="lower right", fontsize=8)
     bottom.legend(loc="upper right", fontsize=8)
     sv, tr = s.serving, s.training
-    top.set_title(f"{sv.instances * sv.gpus_per_instance} {sv.gpu} serve, {tr.count} {tr.gpu} train, H = {s.hidden_size}")
+    gpus = sv.instances * sv.gpus_per_instance
+    top.set_title(f"{gpus} {sv.gpu} serve, {tr.count} {tr.gpu} train, H = {s.hidden_size}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -84,7 +86,11 @@ def plot_sweep(key: str, rows: list[dict[str, Any]], path: Path) -> None:
     drop.plot(xs, [100 * r["dropped_fraction"] for r in rows], "s--", color="tab:red", label="capture dropped")
     drop.set_ylabel("capture dropped, %", color="tab:red")
     drop.set_ylim(0, 100)
-    right.legend(loc="upper left", fontsize=8)
+    right.legend(loc="lower left", fontsize=8)
+    if all(isinstance(x, (int, float)) and x > 0 for x in xs) and max(xs) >= 8 * min(xs):
+        for ax in (left, right):  # counts, sizes and bandwidths double from point to point
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(xs, [f"{x:,g}" for x in xs])
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

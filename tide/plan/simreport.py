@@ -12,7 +12,8 @@ from typing import Any
 import yaml
 
 from tide.config import ConfigError, to_dict
-from tide.plan.simulate import Result, Scenario, load_scenario, parse_scenario, simulate, with_training
+from tide.plan.scenario import Scenario, load_scenario, parse_scenario, with_training
+from tide.plan.simulate import Result, simulate
 
 
 def parse_assignment(text: str, flag: str) -> tuple[str, list[Any]]:
@@ -131,9 +132,11 @@ def format_summary(s: Scenario, summary: dict[str, Any]) -> str:
     rows = [f"{sv.instances} x {sv.gpus_per_instance} {sv.gpu} serve (H = {s.hidden_size}), "
             f"{tr.count} {tr.gpu} train at {_fmt(summary['train_tokens_per_s'])} tokens/s; {s.duration_s:g} s",
             f"mean throughput   {_fmt(summary['mean_tokens_per_s'])} tokens/s  = "
-            f"{summary['tide_over_static']:.3f}x the static draft, "
-            f"{_fmt(summary['tide_over_plain'])}x every GPU plain" + (" (no trainer figure)" if summary["tide_over_plain"] is None else ""),
-            f"capture           {_fmt(summary['offered_tokens'])} rows offered, {_fmt(summary['dropped_tokens'])} dropped "
+            f"{summary['tide_over_static']:.3f}x the static draft, " + (
+                "every GPU plain: n/a (no inference figure for the trainers' class)"
+                if summary["tide_over_plain"] is None else f"{summary['tide_over_plain']:.3f}x every GPU plain"),
+            f"capture           {_fmt(summary['offered_tokens'])} rows offered, "
+            f"{_fmt(summary['dropped_tokens'])} dropped "
             f"({100 * summary['dropped_fraction']:.1f}%); {summary['bytes_per_token']} B/row",
             f"storage           peak demand {summary['peak_demand_bytes_per_s'] / 1e9:.2f} GB/s vs bandwidth "
             f"{summary['bandwidth_bytes_per_s'] / 1e9:.2f} GB/s at {sv.instances} writers; "
@@ -152,8 +155,8 @@ def format_sweep(key: str, rows: list[dict[str, Any]]) -> str:
     """One line per swept value."""
     cols = ["value", "threshold_s", "published_s", "recovered_s", "al_final", "dropped_fraction",
             "tide_over_static", "tide_over_plain", "bottleneck"]
-    out = [f"sweep {key}", "".join(f"{c:>17}" for c in cols)]
-    out += ["".join(f"{_fmt(r[c]):>17}" for c in cols) for r in rows]
+    out = [f"sweep {key}", "".join(f"{c:>17}" for c in cols[:-1]) + f"  {cols[-1]}"]
+    out += ["".join(f"{_fmt(r[c]):>17}" for c in cols[:-1]) + f"  {r[cols[-1]]}" for r in rows]
     return "\n".join(out)
 
 
