@@ -118,8 +118,24 @@ def test_gate_turns_off_below_break_even_with_the_numbers_in_the_reason() -> Non
 
 def test_gate_waits_for_enough_steps() -> None:
     gate = SpeculationGate(NO_DWELL, flat())
-    d = gate.decide(obs(1, live=1.0, n=99))
+    d = gate.decide(obs(1, live=1.15, n=99))  # 0.04 under the bar: not clear after 99 steps
     assert d.action is SpecAction.STAY and "99 < 100 steps" in d.reason and gate.enabled
+
+
+def test_gate_decides_a_clear_case_early() -> None:
+    slow = LatencyProfile(((1, 0.030), (4, 0.045)), 0.010, 3)  # break-even at batch 1: (.03 + .045) / .03 = 2.5
+    gate = SpeculationGate(GateConfig(min_steps=256, early_steps=32, min_dwell_steps=0, min_dwell_s=0), slow)
+    assert gate.decide(obs(1, live=1.0, b=1, n=31)).action is SpecAction.STAY  # below early_steps
+    d = gate.decide(obs(2, live=1.0, b=1, n=32))  # AL 1.0 vs bar 2.375: 1.4 AL away, se 0.09
+    assert d.action is SpecAction.DISABLE and "over 32 steps" in d.reason
+
+
+def test_gate_comes_back_on_from_a_held_out_estimate() -> None:
+    gate = SpeculationGate(GateConfig(min_steps=100, min_dwell_steps=0, min_dwell_s=0, start_enabled=False), flat())
+    o = lambda al: SpeculationObservation(1, 1.0, 4, estimate_al=al)  # noqa: E731
+    assert gate.decide(o(1.30)).action is SpecAction.STAY  # on bar 1.375
+    d = gate.decide(o(1.60))
+    assert d.action is SpecAction.ENABLE and "held-out AL 1.60 > 1.38" in d.reason
 
 
 def test_gate_comes_back_on_from_an_estimate() -> None:

@@ -106,9 +106,14 @@ class WorkloadConfig:
 class ControlConfig:
     """The policies of `tide.control` (each section documents its defaults)."""
 
+    policy: str = "adaptive"  # adaptive (all gates) | always (no gates: TIDE-default) | frozen (static draft)
     collect: CollectConfig = field(default_factory=CollectConfig)
     rollback: RollbackConfig = field(default_factory=RollbackConfig)
     speculation: GateConfig = field(default_factory=GateConfig)
+
+    def __post_init__(self) -> None:
+        if self.policy not in ("adaptive", "always", "frozen"):
+            raise ValueError(f"policy: '{self.policy}' is not one of adaptive, always, frozen")
 
 
 @dataclass(frozen=True)

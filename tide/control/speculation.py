@@ -92,13 +92,18 @@ class GateConfig:
     off) > break-even * (1 + margin_on). The band [0.95, 1.10] x break-even is wider than the noise of
     a 256-step window (per-step accepted count has std about 1, so the window mean has std ~0.06 AL),
     and it is asymmetric: turning on needs a predicted gain of 10%, since an estimate from simulated
-    drafting runs a little above what serving achieves. No switch within `min_dwell_steps` engine
-    steps AND `min_dwell_s` seconds of the last one, so an AL hovering at the bar cannot flap.
+    drafting runs a little above what serving achieves. A clear case need not wait for 256 steps:
+    from `early_steps` on, an AL more than `z` standard errors beyond the bar decides (an untrained
+    draft at AL 1.0 against a bar of 1.9 is off after 32 steps, not after 256 slow ones). No switch
+    within `min_dwell_steps` engine steps AND `min_dwell_s` seconds of the last one, so an AL
+    hovering at the bar cannot flap.
     """
 
     margin_off: float = 0.05
     margin_on: float = 0.10
     min_steps: int = 256  # drafting steps (one per sequence per engine step) behind an AL before it counts
+    early_steps: int = 32  # ... or this many, when the AL is `z` standard errors beyond the bar
+    z: float = 4.0
     min_dwell_steps: int = 64
     min_dwell_s: float = 2.0
     start_enabled: bool = True  # speculate from the start: the live AL can only be measured while on
@@ -107,6 +112,9 @@ class GateConfig:
         check(0 <= self.margin_off < 1, "GateConfig", "margin_off", self.margin_off, "in [0, 1)")
         check(self.margin_on >= 0, "GateConfig", "margin_on", self.margin_on, ">= 0")
         check(self.min_steps >= 1, "GateConfig", "min_steps", self.min_steps, ">= 1")
+        check(1 <= self.early_steps <= self.min_steps, "GateConfig", "early_steps", self.early_steps,
+              "in [1, min_steps]")
+        check(self.z > 0, "GateConfig", "z", self.z, "> 0")
         check(self.min_dwell_steps >= 0, "GateConfig", "min_dwell_steps", self.min_dwell_steps, ">= 0")
         check(self.min_dwell_s >= 0, "GateConfig", "min_dwell_s", self.min_dwell_s, ">= 0")
 
@@ -125,6 +133,8 @@ class SpeculationObservation:
     `estimate`: simulated acceptance of the current (or newly trained) draft on freshly captured data,
     the evidence used while off (`live` stands in if there is no estimate). `batch_size`: mean running
     sequences over the window. `step`, `time_s`: engine step counter and monotonic clock, for dwell.
+    A trainer reports only the mean AL of its held-out walk: `estimate_al` carries it (the held-out
+    set is thousands of drafting steps, so it counts as enough evidence) and wins over `estimate`.
     """
 
     step: int
@@ -132,6 +142,7 @@ class SpeculationObservation:
     batch_size: float
     live: AcceptanceHistogram | None = None
     estimate: AcceptanceHistogram | None = None
+    estimate_al: float | None = None
 
 
 class SpeculationGate:
@@ -156,13 +167,15 @@ class SpeculationGate:
         else:
             est = obs.estimate if obs.estimate is not None else obs.live
             hist, src, bar = est, "estimated", need * (1 + cfg.margin_on)
-        steps = hist.steps if hist is not None else 0
         where = f"break-even {need:.2f} at batch {b:.1f}"
-        if steps < cfg.min_steps:
-            why = f"{src} AL over {steps} < {cfg.min_steps} steps: not enough evidence ({where})"
-            return Decision(SpecAction.STAY, why)
-        assert hist is not None
-        al = hist.acceptance_length
+        if not self.enabled and obs.estimate_al is not None:
+            al, steps, src = obs.estimate_al, cfg.min_steps, "held-out"
+        else:
+            steps = hist.steps if hist is not None else 0
+            al = hist.acceptance_length if hist is not None else 1.0
+            if steps < cfg.min_steps and not (steps >= cfg.early_steps and _clear(hist, bar, cfg.z)):
+                why = f"{src} AL over {steps} < {cfg.min_steps} steps: not enough evidence ({where})"
+                return Decision(SpecAction.STAY, why)
         speedup = f"predicted {self.profile.predicted_speedup(al, b):.2f}x"
         if self.enabled and al >= bar:
             return Decision(SpecAction.STAY, f"live AL {al:.2f} >= {bar:.2f} (off bar, {where}; {speedup})")
@@ -177,3 +190,12 @@ class SpeculationGate:
                                              f"last switch (dwell {cfg.min_dwell_steps} steps, {cfg.min_dwell_s:g} s)")
         self.enabled, self._since = not self.enabled, (obs.step, obs.time_s)
         return Decision(SpecAction.ENABLE if self.enabled else SpecAction.DISABLE, why)
+
+
+def _clear(hist: AcceptanceHistogram | None, bar: float, z: float) -> bool:
+    """The AL is more than `z` standard errors from `bar` (per-step std from the histogram, at least 0.5)."""
+    if hist is None or hist.steps < 2:
+        return False
+    al = hist.acceptance_length
+    var = sum(c * (1 + k - al) ** 2 for k, c in enumerate(hist.counts)) / (hist.steps - 1)
+    return abs(al - bar) > z * max(var, 0.25) ** 0.5 / hist.steps ** 0.5

@@ -1,19 +1,26 @@
 """The coordinator (rank 0): applies the control policies to a serving engine and drives trainers.
 
 It is the engine's between-steps hook: it polls role messages, swaps in drafts the collection gate
-accepts, rolls back drafts that collapse live, turns capture on and off, and asks the trainers for
-a cycle when enough has been stored. Every decision is recorded with its time and reason.
+accepts, rolls back drafts that collapse live, turns speculation off where it does not pay (and back
+on when a draft's evaluation says it will), turns capture on and off, and asks the trainers for a
+cycle when enough has been stored. Every decision is recorded with its time and reason.
+
+`control.policy` picks how much of that runs: `adaptive` (all gates), `always` (the paper's
+TIDE-default: speculate, collect, train and deploy without gates) or `frozen` (a static draft: speculate,
+never collect or train).
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
 from tide.config import TideConfig
-from tide.control import CollectAction, CollectionGate, Decision, RollbackAction, RollbackGate
+from tide.control import (CollectAction, CollectionGate, Decision, LatencyProfile, RollbackAction, RollbackGate,
+                          SpecAction, SpeculationGate, SpeculationObservation)
 from tide.metrics import AcceptanceHistogram
 from tide.runtime.messages import (Deploy, DraftReady, Heartbeat, Shutdown, Train, TrainFailed, TrainProgress)
 from tide.runtime.transport import Transport
@@ -36,8 +43,14 @@ class Coordinator:
                  trainer_ranks: list[int], peer_inference_ranks: list[int] = (), drafts_root: str = "") -> None:
         self.cfg, self.engine, self.transport = cfg, engine, transport
         self.trainer_ranks, self.peers = list(trainer_ranks), list(peer_inference_ranks)
+        self.policy = cfg.control.policy
         self.collect = CollectionGate(cfg.control.collect)
         self.rollback = RollbackGate(cfg.control.rollback, engine.gamma)
+        self.gate: SpeculationGate | None = None
+        self.profile: LatencyProfile | None = None
+        self._live: deque[AcceptanceHistogram] = deque()  # recent windows' drafting steps while speculating
+        self._steps = 0
+        self._estimate_al: float | None = None  # held-out AL of the live draft, from its training cycle
         self.events: list[Event] = []
         self.eval_al: dict[int, float] = {engine.version: float("nan")}
         self.cycle = 0
@@ -72,9 +85,20 @@ class Coordinator:
 
     # ------------------------------------------------------------------ hooks
     def start(self) -> None:
-        """A fresh (untrained) draft shows no shift; collect from the start."""
-        if self.engine.version == 0:
-            self._apply(self.collect.collect_now("serving an untrained draft (v0)"))
+        """Profile the latencies the speculation gate needs; a fresh (untrained) draft shows no shift:
+        collect from the start."""
+        if self.policy == "adaptive" and self.engine.speculative:
+            self.profile = self.engine.profile(self.cfg.serve.max_num_seqs)
+            self.gate = SpeculationGate(self.cfg.control.speculation, self.profile, 0, self.now())
+            self.record("profile", f"T(n) {', '.join(f'{n}:{t * 1e3:.1f}' for n, t in self.profile.points)} ms, "
+                        f"D0 {self.profile.draft_step_s * 1e3:.1f} ms: break-even AL "
+                        f"{self.profile.min_acceptance(1):.2f} at batch 1", profile=self.profile.to_json())
+            self.engine.set_speculation(self.gate.enabled)
+        if self.policy == "frozen":
+            self.engine.set_capture(False)
+        elif self.engine.version == 0 or self.policy == "always":
+            self._apply(self.collect.collect_now("serving an untrained draft (v0)" if self.engine.version == 0
+                                                 else "policy always: collect from the start"))
         else:
             self.engine.set_capture(False)
 
@@ -95,21 +119,25 @@ class Coordinator:
         self.record("trainer-down", f"no trainer heartbeat within {timeout:.0f} s: serving without training")
 
     def on_result(self, r: RequestResult) -> None:
-        if r.speculate and sum(r.accept_counts) > 0:
+        if self.policy != "frozen" and r.speculate and sum(r.accept_counts) > 0:
             d = self.collect.on_request(r.acceptance_length)
             if d.action is not CollectAction.WAIT:
                 self._apply(d)
 
     def on_window(self, w: Window) -> None:
+        self._steps += w.steps
+        # A window in which the draft changed, or speculation came back on (requests that span the
+        # switch draft from a stale KV cache), is no evidence about the draft: the gates skip it.
+        evidence, self._swapped_in_window = not self._swapped_in_window and w.speculate, False
+        if self.gate is not None:
+            self._gate(w, evidence)
         new = w.stored_tokens - self._stored
         self._stored = w.stored_tokens
         if new > 0 and self.trainer_alive:
             d = self.collect.on_stored(new)
             if d.action is not CollectAction.WAIT:
                 self._apply(d)
-        if self._swapped_in_window:  # steps of two drafts: no evidence about either
-            self._swapped_in_window = False
-        elif self.rollback.watching:
+        if evidence and self.rollback.watching:
             d = self.rollback.decide(AcceptanceHistogram(len(w.accept_counts) - 1, list(w.accept_counts)))
             if d.action is RollbackAction.ROLLBACK:
                 self.record("rollback", d.reason, d.version)
@@ -133,14 +161,46 @@ class Coordinator:
             elif isinstance(msg, DraftReady):
                 self.record("trained", f"cycle {msg.cycle}: eval AL {msg.eval_al:.3f} (from {msg.base_al:.3f}) on "
                             f"{msg.train_tokens} tokens in {msg.wall_s:.0f} s", msg.version,
-                            eval_al=msg.eval_al, base_al=msg.base_al)
+                            eval_al=msg.eval_al, base_al=msg.base_al, wall_s=msg.wall_s)
                 self.eval_al[msg.version] = msg.eval_al
-                self._apply(self.collect.on_trained(msg.version, msg.eval_al, msg.base_al))
+                if self.policy == "always":
+                    self.collect.on_trained(msg.version, msg.eval_al, msg.base_al)
+                    self._deploy(msg.version, "policy always: deploy every trained draft")
+                    self._apply(self.collect.collect_now("policy always: keep collecting"))
+                else:
+                    self._apply(self.collect.on_trained(msg.version, msg.eval_al, msg.base_al))
+                    self._keep_learning()
             elif isinstance(msg, TrainFailed):
                 self.record("train-failed", msg.reason)
                 self._apply(self.collect.on_training_failed(msg.reason))
             elif not isinstance(msg, Heartbeat):
                 log.warning("coordinator: unexpected %s from rank %d", type(msg).__name__, src)
+
+    # ------------------------------------------------------------------ speculation gate
+    def _gate(self, w: Window, evidence: bool) -> None:
+        if evidence and w.steps:
+            self._live.append(AcceptanceHistogram(len(w.accept_counts) - 1, list(w.accept_counts)))
+            while len(self._live) > 1 and sum(h.steps for h in self._live) - self._live[0].steps \
+                    >= self.cfg.control.speculation.min_steps:
+                self._live.popleft()
+        live = AcceptanceHistogram(self.engine.gamma)
+        for h in self._live:
+            live.merge(h)
+        d = self.gate.decide(SpeculationObservation(self._steps, self.now(), max(w.mean_batch, 1.0), live,
+                                                    estimate_al=self._estimate_al))
+        if d.action is SpecAction.STAY:
+            return
+        self._live.clear()
+        self._swapped_in_window = True  # requests that span the switch draft from a stale KV cache
+        self.engine.set_speculation(d.action is SpecAction.ENABLE)
+        self.record("spec-on" if d.action is SpecAction.ENABLE else "spec-off", d.reason, self.engine.version)
+        if d.action is SpecAction.DISABLE:
+            self._keep_learning()
+
+    def _keep_learning(self) -> None:
+        """While the live draft does not pay, collect for the next cycle (when a trainer is up)."""
+        if self.gate is not None and not self.gate.enabled and self.trainer_alive and not self.collect.collecting:
+            self._apply(self.collect.collect_now(f"speculation off: draft v{self.engine.version} does not pay yet"))
 
     # ------------------------------------------------------------------ actions
     def _train(self, reason: str) -> None:
@@ -154,7 +214,9 @@ class Coordinator:
         if not self._swap(version):
             return
         self.record("deploy", reason, version)
-        self.rollback.watch(version, self.eval_al.get(version, float("nan")), previous)
+        self._estimate_al = self.eval_al.get(version)
+        if self.policy == "adaptive":
+            self.rollback.watch(version, self.eval_al.get(version, float("nan")), previous)
         self.engine.set_capture(self.collect.collecting)
 
     def _swap(self, version: int) -> bool:
@@ -168,8 +230,9 @@ class Coordinator:
         self._swapped_in_window = True
         for r in self.peers:
             self.transport.send(r, Deploy(version, path))  # type: ignore[union-attr]
-        if not self.engine.speculate:
+        if self.gate is None and not self.engine.speculate:  # no gate: a new draft always speculates
             self.engine.set_speculation(True)
+        self._live.clear()
         return True
 
     def _check_trainer(self) -> None:

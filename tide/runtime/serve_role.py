@@ -95,12 +95,21 @@ def summarize(cfg: TideConfig, run: RunLayout, results: list[RequestResult], win
         "wall_s": windows[-1].t_end if windows else 0.0, "segment_requests": tail,
         "stored_tokens": windows[-1].stored_tokens if windows else 0,
         "training": training_state(events),
+        "speculation_on_fraction": spec_on_fraction(windows),
+        "eval_al_deployed": next((e.data.get("eval_al") for e in reversed(events) if e.kind == "trained"
+                                  and e.version == (swaps[-1].version if swaps else None)), None),
         "events": [asdict(e) for e in events], "config": to_dict(cfg),
     }
     write_json(run.out / "summary.json", summary)
     plot_run(run.out / "acceptance.png", windows, events,
              f"{run.target.path.name}: AL {summary['al_start']:.2f} -> {summary['al_end']:.2f}, {len(swaps)} swaps")
     return summary
+
+
+def spec_on_fraction(windows: list[Window]) -> float:
+    """Share of serving time with speculation on."""
+    total = sum(w.t_end - w.t_start for w in windows)
+    return sum(w.t_end - w.t_start for w in windows if w.speculate) / total if total > 0 else 0.0
 
 
 def training_state(events: list[Any]) -> str:

@@ -7,18 +7,24 @@ time window: acceptance length, tokens/s, batch size, draft version and speculat
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
+import statistics
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from tide.config import ServeConfig
 from tide.metrics import AcceptanceHistogram
 from tide.target import Target
 
+if TYPE_CHECKING:
+    from tide.control import LatencyProfile
+
 log = logging.getLogger(__name__)
+_PROFILE_IDS = itertools.count()
 EXTENSION = "tide.serve.extension.TideWorkerExtension"
 
 
@@ -144,6 +150,51 @@ class TideEngine:
         if self.speculative:
             self.rpc("tide_close")
         self.engine.engine_core.shutdown()
+
+    def profile(self, max_batch: int, repeats: int = 5) -> "LatencyProfile":
+        """Measure the speculation gate's latencies through this engine, before serving.
+
+        T(n): one step over n new tokens (a prompt of n tokens, speculation off), for n = 1, 2, 4 ...
+        up to max_batch * (gamma + 1); median of `repeats` after a warm-up. D0: from decode steps with
+        speculation on at batch 1, D0 = (step - T(gamma + 1)) / gamma, so the profile predicts exactly
+        the step it measured and everything the draft adds (its passes, sampling, bookkeeping) is in D0.
+        """
+        from tide.control import LatencyProfile
+
+        assert self.speculative and not self._live, "profile an idle speculative engine"
+        was, capture = self.speculate, self.stats(reset=False)["capture"]
+        self.set_capture(False)  # profiling requests are not workload
+        top = max_batch * (self.gamma + 1)
+        sizes = sorted({2 ** i for i in range(top.bit_length()) if 2 ** i <= top} | {self.gamma + 1, top})
+        vocab = self.engine.model_config.get_vocab_size()
+        ids = [(7919 * i) % (vocab - 10) + 5 for i in range(max(sizes) + 16)]
+        self.set_speculation(True)
+        self._timed(ids[:16], 4 * (self.gamma + 1))  # warm-up: first calls build kernels and caches
+        steps = self._timed(ids[:16], 8 * (self.gamma + 1))[1:]  # decode steps after the prefill
+        self.set_speculation(False)
+        points = [(n, statistics.median([self._timed(ids[:n], 1)[0] for _ in range(repeats + 1)][1:]))
+                  for n in sizes]
+        self.set_speculation(was)
+        self.set_capture(capture)
+        t_verify = dict(points)[self.gamma + 1]
+        d0 = max(0.0, (statistics.median(steps) - t_verify) / self.gamma)
+        self.stats(reset=True)
+        return LatencyProfile(tuple(points), d0, self.gamma)
+
+    def _timed(self, prompt_ids: list[int], max_tokens: int) -> list[float]:
+        """Wall time of each engine step of one request run alone (ignores EOS)."""
+        from vllm import SamplingParams, TokensPrompt
+
+        rid = f"tide-profile-{next(_PROFILE_IDS)}"
+        self.engine.add_request(rid, TokensPrompt(prompt_token_ids=prompt_ids),
+                                SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+        times = []
+        while self.engine.has_unfinished_requests():
+            t0 = time.perf_counter()
+            self.engine.step()
+            times.append(time.perf_counter() - t0)
+        self.rpc("tide_finish", {rid: [len(prompt_ids), max_tokens, "profile"]})
+        return times
 
     # ------------------------------------------------------------------ serving
     def submit(self, req: Request, now: float) -> None:

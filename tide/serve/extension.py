@@ -9,9 +9,11 @@ Hook points (vLLM 0.32, see the seam notes):
   (-1 marks rejected slots).
 - `runner.drafter.propose` (inner): sees the EAGLE-3 aux rows of every scheduled token,
   `target_hidden_states` [N, k*H]. Rows of request i are `query_start_loc[i]:query_start_loc[i+1]`;
-  its last `num_rejected[i]` rows are rejected drafts. Kept: prompt rows and accepted rows. Setting
-  `num_speculative_tokens = 0` here is vLLM's own K = 0 path: the draft still runs its first pass
-  (its KV cache stays in sync) and returns no drafts, so speculation can resume at any step.
+  its last `num_rejected[i]` rows are rejected drafts. Kept: prompt rows and accepted rows. While
+  speculation is off this hook returns no drafts without running the draft at all (vLLM's K = 0
+  result), so "off" costs what plain decoding costs. The price: the draft's KV cache misses the
+  positions decoded while off, so requests that span a switch back on draft a little worse until
+  they finish (verification keeps the output exact either way).
 """
 
 from __future__ import annotations
@@ -96,8 +98,9 @@ class TideWorkerExtension:
         def propose(**kw):
             if st.capture:
                 self._tide_capture(runner, kw)
-            if not st.speculate:
-                kw["num_speculative_tokens"] = 0
+            if not st.speculate:  # K = 0 without the draft's forward: off costs what plain decoding costs
+                n = kw["common_attn_metadata"].batch_size()
+                return torch.empty(n, 0, dtype=torch.int64, device=kw["next_token_ids"].device)
             return propose_orig(**kw)
 
         runner.propose_draft_token_ids = outer
