@@ -75,3 +75,17 @@ def test_missing_required_value() -> None:
 def test_unreadable_and_invalid_yaml(tmp_path: Path) -> None:
     assert "cannot read" in one_line_error(tmp_path / "absent.yaml")
     assert "not valid YAML" in one_line_error(write(tmp_path, "a: [1,\n"))
+
+
+def test_a_section_check_names_the_section(tmp_path: Path) -> None:
+    p = write(tmp_path, "control:\n  policy: sometimes\n")
+    with pytest.raises(ConfigError, match=rf"^{p}: control: policy: 'sometimes' is not one of adaptive, always, frozen$"):
+        load_config(p)
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in (ROOT / "configs" / "experiments").glob("*.yaml")))
+def test_shipped_experiments_load(name: str) -> None:
+    from tide.replay.runner import load_experiment
+
+    cfg, spec, replay = load_experiment(ROOT / "configs" / "experiments" / name)
+    assert spec.phases and replay.modes and cfg.model.target

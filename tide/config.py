@@ -73,6 +73,9 @@ class TrainConfig:
     precision: Literal["auto", "bf16", "fp32"] = "auto"
     gamma: int = 3  # draft tokens per step in the simulated-acceptance evaluation
     seed: int = 0
+    # captured: train on the hidden states serving captured (TIDE); recompute: regenerate them with the
+    # target from the stored tokens first, once per request, and count that time (the baseline)
+    signals: Literal["captured", "recompute"] = "captured"
 
 
 @dataclass(frozen=True)

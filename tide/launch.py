@@ -14,6 +14,7 @@ store/ (captured hidden states) and drafts/vN (published drafts).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -21,39 +22,55 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING, Iterator
 
 from tide.config import ConfigError, TideConfig, load_config
+
+if TYPE_CHECKING:
+    from tide.runtime.transport import SocketTransport
 
 log = logging.getLogger("tide.launch")
 
 
-def run_local(cfg: TideConfig, config: Path, out: Path) -> dict:
-    from tide.layout import RunLayout
-    from tide.runtime.serve_role import run_coordinator
+@contextlib.contextmanager
+def local_trainer(config: Path, out: Path, cores: str) -> Iterator["SocketTransport"]:
+    """A trainer process (`python -m tide.runtime --fd`) on `cores`, joined to this one by a socket
+    pair; its log is out/trainer.log. On exit it gets two minutes to finish, then is killed."""
     from tide.runtime.transport import SocketTransport
 
-    run = RunLayout.open(cfg, out)
     out.mkdir(parents=True, exist_ok=True)
-    if cfg.runtime.serve_cores:
-        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cfg.runtime.serve_cores)
     ours, theirs = socket.socketpair()
     cmd = [sys.executable, "-m", "tide.runtime", "--config", str(config), "--out", str(out),
-           "--fd", str(theirs.fileno()), "--cores", cfg.runtime.train_cores]
+           "--fd", str(theirs.fileno()), "--cores", cores]
     with open(out / "trainer.log", "ab") as trainer_log:
         trainer = subprocess.Popen(cmd, pass_fds=[theirs.fileno()], stdout=trainer_log, stderr=subprocess.STDOUT)
     theirs.close()
-    log.info("trainer process %d (cores %s), log %s", trainer.pid, cfg.runtime.train_cores or "any",
-             out / "trainer.log")
+    log.info("trainer process %d (cores %s), log %s", trainer.pid, cores or "any", out / "trainer.log")
     transport = SocketTransport(ours, rank=0, peer=1)
     try:
-        summary = run_coordinator(cfg, run, transport, trainer_ranks=[1])
+        yield transport
     finally:
         try:
             trainer.wait(timeout=120)
         except subprocess.TimeoutExpired:
             trainer.kill()
         transport.close()
-    return summary
+
+
+def bind_serving(cfg: TideConfig) -> None:
+    """vLLM's CPU threads on the serving cores (the trainer gets the others)."""
+    if cfg.runtime.serve_cores:
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cfg.runtime.serve_cores)
+
+
+def run_local(cfg: TideConfig, config: Path, out: Path) -> dict:
+    from tide.layout import RunLayout
+    from tide.runtime.serve_role import run_coordinator
+
+    run = RunLayout.open(cfg, out)
+    bind_serving(cfg)
+    with local_trainer(config, out, cfg.runtime.train_cores) as transport:
+        return run_coordinator(cfg, run, transport, trainer_ranks=[1])
 
 
 def run_slurm(cfg: TideConfig, config: Path, out: Path, dry_run: bool) -> int:

@@ -19,6 +19,8 @@ BENCHES: dict[str, str] = {
     "capture-overhead": "tide.bench.serving:capture_overhead",
     "hot-swap": "tide.bench.serving:hot_swap",
     "training-cycle": "tide.bench.learning:training_cycle",
+    "controller-accuracy": "tide.bench.control:controller_accuracy",
+    "never-worse": "tide.bench.control:never_worse",
 }
 
 

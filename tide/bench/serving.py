@@ -16,6 +16,7 @@ from tide.store import ChunkReader
 from tide.workload import build_requests
 
 SERVE = ServeConfig(max_num_seqs=4, max_model_len=1024, max_num_batched_tokens=1024)
+DTYPE = "float32"  # as configs/local.yaml: no bf16 matmul on AVX2 CPUs
 
 
 def _requests(target, data: Path, dataset: str, file: str, n: int, max_tokens: int, tag: str) -> list[Request]:
@@ -37,7 +38,7 @@ def capture_overhead(work: Path, data: Path, quick: bool = False) -> dict[str, A
     shutil.rmtree(work, ignore_errors=True)
     reg = DraftRegistry(work / "drafts")
     save_draft(init_draft(target.path, target.layer_ids, 8192), reg.path(0))
-    eng = TideEngine(target, SERVE, reg.path(0), store_root=work / "store")
+    eng = TideEngine(target, SERVE, reg.path(0), store_root=work / "store", dtype=DTYPE)
     pairs = 2 if quick else 6
     on, off = [], []
     try:
@@ -71,7 +72,7 @@ def hot_swap(work: Path, data: Path, quick: bool = False) -> dict[str, Any]:
     shutil.rmtree(work, ignore_errors=True)
     reg = DraftRegistry(work / "drafts")
     save_draft(init_draft(target.path, target.layer_ids, 8192), reg.path(0))
-    eng = TideEngine(target, SERVE, reg.path(0), store_root=work / "store")
+    eng = TideEngine(target, SERVE, reg.path(0), store_root=work / "store", dtype=DTYPE)
     pauses = []
     try:
         reqs = _requests(target, data, "gsm8k", "gsm8k/test.jsonl", 8 if quick else 40, 192, "live")

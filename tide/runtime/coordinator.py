@@ -94,13 +94,21 @@ class Coordinator:
                         f"D0 {self.profile.draft_step_s * 1e3:.1f} ms: break-even AL "
                         f"{self.profile.min_acceptance(1):.2f} at batch 1", profile=self.profile.to_json())
             self.engine.set_speculation(self.gate.enabled)
-        if self.policy == "frozen":
+        if self.policy == "frozen" or not self.trainer_ranks:  # nothing would learn from what is captured
             self.engine.set_capture(False)
-        elif self.engine.version == 0 or self.policy == "always":
-            self._apply(self.collect.collect_now("serving an untrained draft (v0)" if self.engine.version == 0
-                                                 else "policy always: collect from the start"))
+        elif self.policy == "always":
+            self._apply(self.collect.collect_now("policy always: collect from the start"))
+        elif self.engine.version == 0 and not self.cfg.draft.init:
+            self._apply(self.collect.collect_now("serving an untrained draft (v0)"))
         else:
             self.engine.set_capture(False)
+
+    def serving_starts(self) -> None:
+        """Event times count from here (the replay's clock); earlier events (profile) get negative times."""
+        shift = time.perf_counter() - self._t0
+        self._t0 += shift
+        for e in self.events:
+            e.t -= shift
 
     def wait_for_trainer(self, timeout: float) -> None:
         """Serve once a trainer has said hello (or `timeout` passed): a trainer still importing and
@@ -169,7 +177,6 @@ class Coordinator:
                     self._apply(self.collect.collect_now("policy always: keep collecting"))
                 else:
                     self._apply(self.collect.on_trained(msg.version, msg.eval_al, msg.base_al))
-                    self._keep_learning()
             elif isinstance(msg, TrainFailed):
                 self.record("train-failed", msg.reason)
                 self._apply(self.collect.on_training_failed(msg.reason))
@@ -188,13 +195,12 @@ class Coordinator:
             live.merge(h)
         d = self.gate.decide(SpeculationObservation(self._steps, self.now(), max(w.mean_batch, 1.0), live,
                                                     estimate_al=self._estimate_al))
-        if d.action is SpecAction.STAY:
-            return
-        self._live.clear()
-        self._swapped_in_window = True  # requests that span the switch draft from a stale KV cache
-        self.engine.set_speculation(d.action is SpecAction.ENABLE)
-        self.record("spec-on" if d.action is SpecAction.ENABLE else "spec-off", d.reason, self.engine.version)
-        if d.action is SpecAction.DISABLE:
+        if d.action is not SpecAction.STAY:
+            self._live.clear()
+            self._swapped_in_window = True  # requests that span the switch draft from a stale KV cache
+            self.engine.set_speculation(d.action is SpecAction.ENABLE)
+            self.record("spec-on" if d.action is SpecAction.ENABLE else "spec-off", d.reason, self.engine.version)
+        if not self.gate.enabled:
             self._keep_learning()
 
     def _keep_learning(self) -> None:

@@ -34,14 +34,15 @@ def ensure_draft(cfg: TideConfig, run: RunLayout) -> int:
 
 
 def serve(cfg: TideConfig, run: RunLayout, requests: list[Request], transport: Transport | None,
-          trainer_ranks: list[int], peers: list[int] = ()) -> tuple[list[RequestResult], list[Window], list[Any]]:
+          trainer_ranks: list[int], concurrency: int = 0) -> tuple[list[RequestResult], list[Window], list[Any]]:
     version = ensure_draft(cfg, run)
     engine = TideEngine(run.target, cfg.serve, run.drafts / f"v{version}", store_root=run.store,
                         chunk_tokens=cfg.store.chunk_tokens, retention_tokens=cfg.store.retention_tokens,
                         max_pending_chunks=cfg.store.max_pending_chunks, version=version, dtype=cfg.model.dtype)
-    coord = Coordinator(cfg, engine, transport, trainer_ranks, list(peers), str(run.drafts))
+    coord = Coordinator(cfg, engine, transport, trainer_ranks, drafts_root=str(run.drafts))
     coord.wait_for_trainer(cfg.runtime.trainer_start_timeout_s)
     coord.start()
+    coord.serving_starts()
     t0 = time.time()
 
     def show(w: Window) -> None:
@@ -55,7 +56,7 @@ def serve(cfg: TideConfig, run: RunLayout, requests: list[Request], transport: T
                  w.stored_tokens / 1e3, train)
 
     try:
-        results, windows = engine.replay(requests, cfg.workload.concurrency, cfg.runtime.window_s,
+        results, windows = engine.replay(requests, concurrency or cfg.workload.concurrency, cfg.runtime.window_s,
                                          between_steps=coord.between_steps, on_window=show, on_result=coord.on_result)
         engine.flush()
     finally:

@@ -8,6 +8,7 @@ and takes its share of the batches; rank 0 evaluates and publishes.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
@@ -22,7 +23,8 @@ from torch import nn
 
 from tide.config import TideConfig, TrainConfig
 from tide.draft import DraftRegistry, Eagle3Draft, init_draft, load_draft, set_vocab, target_heads
-from tide.store import ChunkMeta, ChunkReader
+from tide.store import ChunkMeta, ChunkReader, Run, bf16_to_u16
+from tide.target import Target
 from tide.train.data import Batch, Sequence, batches, sequences
 from tide.train.objective import simulate_acceptance, ttt_loss
 
@@ -114,6 +116,7 @@ class CycleResult:
     final_loss: float
     vocab_coverage: float
     source_chunks: list[str]
+    recompute_s: float = 0.0  # train.signals = recompute: time the target spent regenerating hidden states
 
     def to_json(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -132,6 +135,9 @@ class DraftTrainer:
         self.eval_fraction, self.init_dir = eval_fraction, init_dir
         self.rank, self.world = init_distributed()
         self.bf16 = use_bf16(cfg.precision)
+        self._recompute: Any = None  # tide.recompute.Recompute, built on first use
+        self._recomputed: dict[tuple[str, int, int], Any] = {}
+        self.recompute_s = 0.0
 
     @classmethod
     def from_config(cls, cfg: "TideConfig", run: "RunLayout") -> "DraftTrainer":
@@ -160,11 +166,11 @@ class DraftTrainer:
         import deepspeed
         from deepspeed.accelerator import get_accelerator
 
-        t_start = time.time()
+        t_start, recompute_s = time.time(), self.recompute_s
         cfg = self.cfg
         chunks = self.reader.list_chunks(window_tokens)
-        train = sequences(self.reader.load(window_tokens, "train", self.eval_fraction), cfg.seq_len)
-        held = sequences(self.reader.load(window_tokens, "eval", self.eval_fraction), cfg.seq_len)
+        train = sequences(self._signals(self.reader.load(window_tokens, "train", self.eval_fraction)), cfg.seq_len)
+        held = sequences(self._signals(self.reader.load(window_tokens, "eval", self.eval_fraction)), cfg.seq_len)
         if not train or not held:
             log.warning("trainer: not enough data (%d train / %d eval sequences)", len(train), len(held))
             return None
@@ -206,7 +212,8 @@ class DraftTrainer:
         trained.float()
         result = CycleResult(version=0, al_before=al_before, al_after=0.0, train_tokens=tokens * self.world,
                              steps=total, wall_s=0.0, tokens_per_s=tokens * self.world / max(train_s, 1e-9),
-                             final_loss=loss_v, vocab_coverage=coverage, source_chunks=[p.name for p in chunks])
+                             final_loss=loss_v, vocab_coverage=coverage, source_chunks=[p.name for p in chunks],
+                             recompute_s=self.recompute_s - recompute_s)
         if self.rank == 0:
             result.al_after = self._evaluate(trained, eval_batches, device)
             result.wall_s = time.time() - t_start
@@ -215,6 +222,25 @@ class DraftTrainer:
                      al_before, result.al_after, result.train_tokens, total, result.wall_s)
         _barrier()
         return result
+
+    def _signals(self, runs: list[Run]) -> list[Run]:
+        """`train.signals: recompute`: the target (transformers) regenerates each run's hidden states
+        from its tokens, once per request; `recompute_s` counts the time. Captured runs pass through."""
+        if self.cfg.signals == "captured":
+            return runs
+        if self._recompute is None:
+            from tide.recompute import Recompute
+
+            self._recompute = Recompute(Target.open(self.target_dir, self.aux_layer_ids))
+        t0, out = time.time(), []
+        for r in runs:
+            key = (r.request_id, int(r.positions[0]), len(r))
+            if key not in self._recomputed:
+                rows = self._recompute.rows([*r.tokens.tolist(), 0])  # rows of every token given
+                self._recomputed[key] = bf16_to_u16(rows)
+            out.append(dataclasses.replace(r, hidden=self._recomputed[key]))
+        self.recompute_s += time.time() - t0
+        return out
 
     def _evaluate(self, draft: Eagle3Draft, eval_batches: list[Batch], device: torch.device) -> float:
         draft = draft.to(device).eval()

