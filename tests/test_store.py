@@ -217,11 +217,11 @@ def test_disk_error_is_counted_not_raised(tmp_path, monkeypatch, caplog):
         raise OSError(errno.ENOSPC, "No space left on device", str(path))
 
     monkeypatch.setattr(writer_mod, "write_chunk", full_disk)
-    with caplog.at_level(logging.ERROR), ChunkWriter(tmp_path, META, chunk_tokens=5) as w:
+    with caplog.at_level(logging.ERROR), ChunkWriter(tmp_path, META, chunk_tokens=5, pause_s=0) as w:
         for i in range(4):
-            assert w.add(make_run(f"r{i}", 5, seed=i))
+            assert w.add(make_run(f"r{i}", 5, seed=i))  # no pause: every run is tried
             w.flush()
-    assert w.stats()["errors"] == 4 and w.stats()["files"] == 0
+    assert w.stats()["errors"] == 4 and w.stats()["files"] == 0 and w.stats()["pauses"] == 4
     assert caplog.text.count("ENOSPC") == 1  # logged once per kind
     assert not list(tmp_path.iterdir())
 

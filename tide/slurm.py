@@ -14,9 +14,10 @@ Two ways to submit the same job, both waited on by `wait`:
     so the only pickle is submitit's own (an argv list); logs and per-rank results in OUTDIR/submitit.
 This module imports no submitit, so tide.config can import SlurmConfig from it.
 
-Every batch script runs its step through `tide_step` (STEP_GUARD): srun of a het step sometimes
-does not return after all ranks have exited (Slurm 22.05 mpi/pmix), so the ranks' own exit codes
-decide, and srun gets a deadline.
+Every batch script runs its step through `tide_step` (STEP_GUARD): the serving ranks' exit codes
+decide the job's (a failed serving rank ends the step, a failed training rank only degrades
+training), srun of a het step sometimes does not return after all ranks have exited (Slurm 22.05
+mpi/pmix) and is then killed, and srun gets a deadline.
 
 Job state comes from `scontrol show job` (slurmctld keeps finished jobs MinJobAge seconds) and then
 from sacct, whose het rows `<id>+0`, `<id>+1` are folded back into `<id>`; with neither it is UNKNOWN.
@@ -155,48 +156,76 @@ def sbatch_lines(opts: Mapping[str, Any]) -> list[str]:
 
 
 # The guard every batch script defines (slurm/tide_hetjob.sh holds a copy; a test keeps them equal).
-STEP_GUARD = r'''# One srun step over every het group, guarded. Slurm 22.05's srun can hang after all tasks of a het
-# step have exited (mpi/pmix: srun joins its PMIx abort-agent thread once per het component). Each
-# rank leaves its exit code in DIR/<rank>. Once all have, or one failed (--kill-on-bad-exit ends the
-# others), srun gets TIDE_STEP_GRACE (10) s, or 3 times that after a failure, to return; then it is
-# killed and the ranks' codes decide. After SECS seconds (0 = never) srun is stopped: TERM, then
-# KILL 30 s later.
+STEP_GUARD = r'''# One srun step over every het group, guarded. Het group 0's ranks serve, the others train. Each
+# rank leaves its exit code in DIR/<rank>. A serving rank that fails ends the step (srun gets TERM)
+# and the job fails with its code; a training rank that fails only degrades training: serving goes
+# on and decides the job's code. Once every serving rank has exited 0, training ranks still running
+# get TIDE_TRAIN_GRACE (60) s, then TERM. Slurm 22.05's srun can hang after all tasks of a het
+# step have exited (mpi/pmix: srun joins its PMIx abort-agent thread once per het component), and
+# then ignores TERM: it gets TIDE_STEP_GRACE (10) s to return once every rank is done, 3 times that
+# once it got TERM, and is then killed. After SECS seconds (0 = never) srun gets TERM.
 tide_step() {  # tide_step SECS DIR SRUN [OPTIONS...] -- COMMAND...
-  local secs=$1 grace=${TIDE_STEP_GRACE:-10} t=0 all=-1 bad=-1 n=0 rc v srun=()
+  local secs=$1 grace=${TIDE_STEP_GRACE:-10} linger=${TIDE_TRAIN_GRACE:-60} t=0 n=0 n0 f r c v rc
+  local all=-1 served=-1 stop=-1 srun=() code=()
   export TIDE_STEP_DIR=$2
   shift 2
   while [[ $1 != -- ]]; do srun+=("$1"); shift; done
   shift
   for v in ${!SLURM_NTASKS_HET_GROUP_*}; do n=$((n + ${!v})); done
   ((n)) || n=${SLURM_NTASKS:-1}
+  n0=${SLURM_NTASKS_HET_GROUP_0:-$n}
   mkdir -p "$TIDE_STEP_DIR"
-  "${srun[@]}" bash -c '"$@"; rc=$?; echo $rc >"$TIDE_STEP_DIR/$SLURM_PROCID"; exit $rc' rank "$@" &
+  # each rank in a session (process group) of its own, killed once the rank has exited: a child that
+  # outlives it (vLLM's engine process when its parent was killed) would otherwise run on, unseen
+  "${srun[@]}" bash -c 'setsid "$@" & p=$!; wait $p; rc=$?; kill -KILL -- -$p 2>/dev/null
+    f=$TIDE_STEP_DIR/$SLURM_PROCID; echo $rc >"$f.tmp"; mv "$f.tmp" "$f"; exit $rc' rank "$@" &
   local pid=$!
-  while kill -0 "$pid" 2>/dev/null; do
-    sleep 1
-    t=$((t + 1))
-    ((all < 0)) && (($(ls "$TIDE_STEP_DIR" | wc -l) >= n)) && all=$t
-    ((bad < 0)) && grep -qvx 0 "$TIDE_STEP_DIR"/* 2>/dev/null && bad=$t
-    if ((all >= 0 && t - all >= grace || bad >= 0 && t - bad >= 3 * grace)); then
+  while
+    for f in "$TIDE_STEP_DIR"/*; do  # ranks that exited since the last look
+      r=${f##*/}
+      [[ $r =~ ^[0-9]+$ && -z ${code[r]:-} ]] || continue
+      c=$(<"$f")
+      code[r]=$c
+      if ((c && r < n0)); then
+        echo "tide: serving rank $r exited $c: stopping the job" >&2
+        ((stop >= 0)) || { kill -TERM "$pid" 2>/dev/null; stop=$t; }
+      elif ((c)); then
+        echo "tide: training rank $r exited $c: training degraded, serving goes on" >&2
+      fi
+    done
+    kill -0 "$pid" 2>/dev/null
+  do
+    ((all < 0 && ${#code[@]} >= n)) && all=$t
+    for ((r = 0, c = 0; r < n0; r++)); do [[ ${code[r]:-} == 0 ]] && c=$((c + 1)); done
+    ((served < 0 && c == n0)) && served=$t
+    if ((all >= 0 && t - all >= grace)); then
       echo "tide: the ranks are done, srun did not return (Slurm het-step hang): killing it" >&2
       kill -KILL "$pid"
       break
-    elif ((secs > 0 && t == secs)); then
-      echo "tide: srun still running after $secs s: stopping it" >&2
-      kill -TERM "$pid"
-    elif ((secs > 0 && t >= secs + 30)); then
+    elif ((stop >= 0 && t - stop >= 3 * grace)); then
+      echo "tide: srun still running $((3 * grace)) s after TERM: killing it" >&2
       kill -KILL "$pid"
       break
+    elif ((stop < 0 && served >= 0 && t - served >= linger)); then
+      echo "tide: serving is done, training ranks still running after $linger s: stopping them" >&2
+      kill -TERM "$pid"
+      stop=$t
+    elif ((stop < 0 && secs > 0 && t >= secs)); then
+      echo "tide: srun still running after $secs s: stopping it" >&2
+      kill -TERM "$pid"
+      stop=$t
     fi
+    sleep 1
+    t=$((t + 1))
   done
   wait "$pid" 2>/dev/null
   rc=$?
-  v=$(grep -hvx 0 "$TIDE_STEP_DIR"/* 2>/dev/null | head -1)  # a failed rank's code
-  if [[ -n $v ]]; then
-    rc=$v
-  elif (($(ls "$TIDE_STEP_DIR" | wc -l) >= n)); then  # every rank exited 0
-    rc=0
-  fi
+  for ((r = n0 - 1, c = 0; r >= 0; r--)); do  # serving decides: the lowest failed rank's code, else 0
+    v=${code[r]:-}
+    [[ $v == 0 ]] && c=$((c + 1))
+    [[ -n $v && $v != 0 ]] && rc=$v
+  done
+  ((c == n0)) && rc=0
   rm -rf "$TIDE_STEP_DIR"
   return "$rc"
 }
@@ -205,11 +234,11 @@ tide_step() {  # tide_step SECS DIR SRUN [OPTIONS...] -- COMMAND...
 
 def step_line(n_groups: int, mpi: str, timeout_s: int, step_dir: str, srun_opts: Sequence[str],
               command: str) -> str:
-    """srun over all het groups (one MPI_COMM_WORLD) through `tide_step` (STEP_GUARD); a rank that
-    fails takes the others down (--kill-on-bad-exit). `step_dir` may hold ${SLURM_JOB_ID};
-    `command` is shell text."""
+    """srun over all het groups (one MPI_COMM_WORLD) through `tide_step` (STEP_GUARD), which ends
+    the step when a serving rank fails but not when a training rank does (so no --kill-on-bad-exit).
+    `step_dir` may hold ${SLURM_JOB_ID}; `command` is shell text."""
     groups = ",".join(str(i) for i in range(n_groups))
-    srun = ["srun", f"--het-group={groups}", f"--mpi={mpi}", "--kill-on-bad-exit=1", *srun_opts]
+    srun = ["srun", f"--het-group={groups}", f"--mpi={mpi}", *srun_opts]
     return f'tide_step {timeout_s} "{step_dir}" {shlex.join(srun)} -- {command}'
 
 

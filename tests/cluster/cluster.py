@@ -8,14 +8,17 @@
 
 The cluster lives entirely under `state_dir` (config, munge socket, spool, logs, PIDs) and is stopped
 by the PIDs recorded there, so several state dirs do not interfere unless their ports do
-(TIDE_SLURM_PORT).
+(TIDE_SLURM_PORT). Test modules use the fixture `cluster` (import it from here).
 """
 
 from __future__ import annotations
 
 import os
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
+
+import pytest
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_STATE = Path(os.environ.get("TIDE_SLURM_STATE", "/tmp/tide-slurm-test"))  # munge must reach it
@@ -60,3 +63,24 @@ def start_cluster(state_dir: str | Path) -> dict[str, str]:
 def stop_cluster(state_dir: str | Path) -> None:
     """Cancel its jobs and stop its daemons by PID; logs stay in state_dir/log."""
     subprocess.run([str(HERE / "slurm_down.sh"), str(state_dir)], capture_output=True, text=True, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[dict[str, str]]:
+    """The local 4-node cluster (state in $TIDE_SLURM_STATE, default /tmp/tide-slurm-test, logs kept
+    there); its SLURM_CONF in os.environ while the tests run. Stopped at the end unless it was up before
+    (a session fixture's, say). Without root it cannot start: the tests are skipped."""
+    was_up = cluster_is_up(DEFAULT_STATE)
+    try:
+        env = start_cluster(DEFAULT_STATE)
+    except ClusterError as e:
+        if os.geteuid() != 0:
+            pytest.skip(str(e))
+        raise
+    with pytest.MonkeyPatch.context() as mp:
+        for k, v in env.items():
+            mp.setenv(k, v)
+        mp.setenv("TIDE_STEP_GRACE", "5")  # sbatch passes it on: srun's het-step hang costs 5 s here
+        yield env
+    if not was_up:
+        stop_cluster(DEFAULT_STATE)

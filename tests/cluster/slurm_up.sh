@@ -119,10 +119,13 @@ AutoDetect=off
 NodeName=n[0-3] Name=gpu File=${STATE}/fakegpu/nvidia[0-1]
 EOF
 # Open MPI's shared-memory BTL names its /dev/shm segments by host, job and local rank, so ranks of
-# n0 and n2 (same host) collide and crash; one backing directory per fake node avoids that.
+# n0 and n2 (same host) collide and crash; one backing directory per fake node avoids that. All fake
+# nodes share this machine's cores: a training rank (gpu_train: n2, n3) gets one thread, which leaves a core
+# to vLLM's engine (it binds its threads itself) instead of both spinning on the same one.
 cat >"$STATE/etc/task_prolog.sh" <<EOF
 #!/bin/sh
 echo "export OMPI_MCA_btl_vader_backing_directory=${STATE}/tmp/\$SLURMD_NODENAME"
+case \$SLURMD_NODENAME in n2 | n3) echo "export OMP_NUM_THREADS=1" ;; esac  # gpu_train
 EOF
 chmod 755 "$STATE/etc/task_prolog.sh"
 

@@ -27,17 +27,25 @@ def het_layout(rank: int, size: int) -> tuple[int, int]:
 
 
 def trainer_group_env(comm, n0: int) -> None:
-    """torch.distributed env of the trainer group: ranks n0.. of MPI_COMM_WORLD; master = its first."""
+    """torch.distributed env of the trainer group, ranks n0.. of `comm` (MPI_COMM_WORLD); master =
+    its first. Only trainer ranks take part, so a serving rank never waits on a trainer that did not
+    start. LOCAL_RANK counts trainer ranks on this node, and OMPI_COMM_WORLD_LOCAL_RANK (which counts
+    every rank of the world there) goes: DeepSpeed insists that the two agree."""
     from mpi4py import MPI
 
-    rank, size = comm.Get_rank(), comm.Get_size()
+    group = comm.Get_group().Range_incl([(n0, comm.Get_size() - 1, 1)])
+    trainers = comm.Create_group(group)
+    rank, size = trainers.Get_rank(), trainers.Get_size()
     host = socket.gethostname().encode()[:255].ljust(256, b"\0")
     hosts = bytearray(256 * size)
-    comm.Allgather([host, MPI.BYTE], [hosts, MPI.BYTE])
-    master = bytes(hosts[256 * n0 : 256 * (n0 + 1)]).rstrip(b"\0").decode()
+    trainers.Allgather([host, MPI.BYTE], [hosts, MPI.BYTE])
+    trainers.Free()
+    group.Free()
+    names = [bytes(hosts[256 * r : 256 * (r + 1)]).rstrip(b"\0").decode() for r in range(size)]
     job = int(os.environ.get("SLURM_JOB_ID", "0"))
-    os.environ.update(MASTER_ADDR=master, MASTER_PORT=str(20000 + job % 20000), RANK=str(rank - n0),
-                      WORLD_SIZE=str(size - n0), LOCAL_RANK=os.environ.get("SLURM_LOCALID", "0"))
+    os.environ.pop("OMPI_COMM_WORLD_LOCAL_RANK", None)
+    os.environ.update(MASTER_ADDR=names[0], MASTER_PORT=str(20000 + job % 20000), RANK=str(rank),
+                      WORLD_SIZE=str(size), LOCAL_RANK=str(names[:rank].count(names[rank])))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -68,14 +76,12 @@ def main(argv: list[str] | None = None) -> int:
     if transport.rank >= n0:
         trainer_group_env(transport.comm, n0)
         run_trainer(cfg, run, transport)
-    else:
-        trainer_group_env(transport.comm, n0)  # collective: every rank takes part
-        if transport.rank == 0:
-            from tide.runtime.serve_role import run_coordinator
+    elif transport.rank == 0:
+        from tide.runtime.serve_role import run_coordinator
 
-            run_coordinator(cfg, run, transport, list(range(n0, n0 + n1)))
-        else:
-            logging.getLogger(__name__).warning("rank %d: only rank 0 serves in this version; idle", transport.rank)
+        run_coordinator(cfg, run, transport, list(range(n0, n0 + n1)))
+    else:
+        logging.getLogger(__name__).warning("rank %d: only rank 0 serves in this version; idle", transport.rank)
     transport.close()
     return 0
 

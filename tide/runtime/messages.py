@@ -1,16 +1,20 @@
 """Small typed messages between roles, encoded with msgpack (never pickle).
 
 Messages are the doorbell; files are the truth: a `ChunkReady` names a chunk file, a `DraftReady`
-a published draft dir. Nothing bulky ever travels in a message.
+a published draft dir. Nothing bulky ever travels in a message. Every message carries the protocol
+version; a receiver drops (and logs) a message of an unknown kind or version instead of failing, so
+roles of different releases degrade to "not understood", never to a crash.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Union
 
 import msgpack
+
+PROTOCOL = 1  # bump when a message changes incompatibly
 
 
 @dataclass(frozen=True)
@@ -92,15 +96,29 @@ Message = Union[ChunkReady, Stats, Train, TrainProgress, DraftReady, TrainFailed
 TYPES: dict[str, type] = {t.__name__: t for t in Message.__args__}  # type: ignore[attr-defined]
 
 
+class BadMessage(ValueError):
+    """Bytes that are not a message of this protocol version."""
+
+
 def encode(msg: Message) -> bytes:
-    return msgpack.packb({"type": type(msg).__name__, **dataclasses.asdict(msg)}, use_bin_type=True)
+    return msgpack.packb({"protocol": PROTOCOL, "type": type(msg).__name__, **dataclasses.asdict(msg)},
+                         use_bin_type=True)
 
 
 def decode(data: bytes) -> Message:
-    """Inverse of `encode`; anything else is a ValueError that says what was wrong."""
+    """Inverse of `encode`; anything else (an unknown kind or version too) is a BadMessage saying why."""
     try:
-        d: dict[str, Any] = msgpack.unpackb(data, raw=False)
-        cls = TYPES[d.pop("type")]
-        return cls(**d)
-    except (KeyError, TypeError, ValueError, msgpack.UnpackException) as e:
-        raise ValueError(f"bad message ({len(data)} bytes): {e!r}") from None
+        d = msgpack.unpackb(data, raw=False)
+    except Exception as e:  # msgpack raises several unrelated kinds on garbage
+        raise BadMessage(f"not msgpack ({len(data)} bytes): {e!r}") from None
+    if not isinstance(d, dict):
+        raise BadMessage(f"not a mapping but {type(d).__name__}")
+    version, kind = d.pop("protocol", None), d.pop("type", None)
+    if version != PROTOCOL:
+        raise BadMessage(f"protocol version {version!r} (kind {kind!r}); this side speaks {PROTOCOL}")
+    if kind not in TYPES:
+        raise BadMessage(f"unknown kind {kind!r} (protocol {PROTOCOL})")
+    try:
+        return TYPES[kind](**d)
+    except TypeError as e:  # missing or unknown fields
+        raise BadMessage(f"{kind}: {e}") from None

@@ -2,12 +2,15 @@
 
 Every trainer rank receives the same `Train` and runs the cycle together (one DeepSpeed group);
 the group's rank 0 answers. A failing cycle is reported, never fatal: the coordinator keeps serving
-with the last good draft. Heartbeats tell the coordinator the trainer is alive.
+with the last good draft. Heartbeats, from a thread of their own, tell the coordinator the trainer
+process is alive, also through a cycle's set-up (reading the window, building the DeepSpeed
+engine), which sends nothing else for longer than the coordinator waits.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 
 from tide.config import TideConfig
@@ -23,13 +26,14 @@ def run_trainer(cfg: TideConfig, run: RunLayout, transport: Transport, coordinat
 
     trainer = DraftTrainer.from_config(cfg, run)
     leader = trainer.rank == 0
-    last_beat = 0.0
     log.info("trainer rank %d/%d ready (MPI rank %d)", trainer.rank, trainer.world, transport.rank)
+    stop = threading.Event()
+    beat = threading.Thread(target=_heartbeat, args=(transport, coordinator, cfg.runtime.heartbeat_s, stop),
+                            name="tide-heartbeat", daemon=True)
+    if leader:
+        beat.start()
     try:
         while not getattr(transport, "closed", False):
-            if leader and time.time() - last_beat >= cfg.runtime.heartbeat_s:
-                transport.send(coordinator, Heartbeat("trainer", transport.rank, time.time()))
-                last_beat = time.time()
             for _, msg in transport.poll():
                 if isinstance(msg, Shutdown):
                     log.info("trainer: shutdown (%s)", msg.reason)
@@ -38,7 +42,17 @@ def run_trainer(cfg: TideConfig, run: RunLayout, transport: Transport, coordinat
                     _cycle(trainer, msg, transport, coordinator, leader)
             time.sleep(0.2)
     finally:
+        stop.set()
+        if beat.is_alive():
+            beat.join()
         trainer.shutdown()
+
+
+def _heartbeat(transport: Transport, coordinator: int, period_s: float, stop: threading.Event) -> None:
+    while True:
+        transport.send(coordinator, Heartbeat("trainer", transport.rank, time.time()))
+        if stop.wait(period_s):
+            return
 
 
 def _cycle(trainer, msg: Train, transport: Transport, coordinator: int, leader: bool) -> None:

@@ -1,18 +1,24 @@
 """Transports for role messages: MPI between Slurm het-job ranks, a socket between local processes.
 
-Both are non-blocking: `poll()` returns what has arrived, `send()` never waits for the peer.
+Both are non-blocking: `poll()` returns what has arrived, `send()` never waits for the peer and may
+be called from several threads (the trainer's heartbeat has its own). What cannot be decoded
+(garbage, an unknown kind, another protocol version) is logged and dropped.
 """
 
 from __future__ import annotations
 
+import logging
 import select
 import socket
 import struct
+import threading
+import time
 from typing import Protocol
 
-from tide.runtime.messages import Message, decode, encode
+from tide.runtime.messages import BadMessage, Message, decode, encode
 
 TAG = 7  # MPI tag of TIDE messages
+log = logging.getLogger(__name__)
 
 
 class Transport(Protocol):
@@ -25,6 +31,14 @@ class Transport(Protocol):
     def close(self) -> None: ...
 
 
+def _received(out: list[tuple[int, Message]], src: int, data: bytes) -> None:
+    """Append the message in `data` to `out`, or log and drop it."""
+    try:
+        out.append((src, decode(data)))
+    except BadMessage as e:
+        log.warning("transport: dropped a message from rank %d: %s", src, e)
+
+
 class MPITransport:
     """One MPI_COMM_WORLD over the whole het job; raw bytes with Isend/Iprobe (mpi4py's lowercase
     calls would pickle)."""
@@ -35,11 +49,13 @@ class MPITransport:
         self.MPI, self.comm = MPI, MPI.COMM_WORLD
         self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
         self._inflight: list[tuple[object, bytes]] = []
+        self._lock = threading.Lock()  # guards _inflight; mpi4py initialises MPI_THREAD_MULTIPLE
 
     def send(self, dest: int, msg: Message) -> None:
         buf = encode(msg)
-        self._inflight.append((self.comm.Isend([buf, self.MPI.BYTE], dest=dest, tag=TAG), buf))
-        self._inflight = [(r, b) for r, b in self._inflight if not r.Test()]  # type: ignore[attr-defined]
+        with self._lock:
+            self._inflight.append((self.comm.Isend([buf, self.MPI.BYTE], dest=dest, tag=TAG), buf))
+            self._inflight = [(r, b) for r, b in self._inflight if not r.Test()]  # type: ignore[attr-defined]
 
     def poll(self) -> list[tuple[int, Message]]:
         out, st = [], self.MPI.Status()
@@ -47,13 +63,20 @@ class MPITransport:
             buf = bytearray(st.Get_count(self.MPI.BYTE))
             src = st.Get_source()
             self.comm.Recv([buf, self.MPI.BYTE], source=src, tag=TAG)
-            out.append((src, decode(bytes(buf))))
+            _received(out, src, bytes(buf))
         return out
 
-    def close(self) -> None:
-        for r, _ in self._inflight:
-            r.Wait()  # type: ignore[attr-defined]
-        self._inflight = []
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Wait up to `timeout_s` for the sends in flight. One to a dead rank never completes (Open MPI
+        has no notion of a dead peer): it is given up, its buffer kept until the process exits."""
+        deadline = time.monotonic() + timeout_s
+        while self._inflight and time.monotonic() < deadline:
+            with self._lock:
+                self._inflight = [(r, b) for r, b in self._inflight if not r.Test()]  # type: ignore[attr-defined]
+            time.sleep(0.01)
+        if self._inflight:
+            log.warning("transport: %d message(s) not delivered in %.0f s (a rank is gone?)",
+                        len(self._inflight), timeout_s)
 
 
 class SocketTransport:
@@ -63,13 +86,15 @@ class SocketTransport:
     def __init__(self, sock: socket.socket, rank: int, peer: int) -> None:
         self.sock, self.rank, self.peer = sock, rank, peer
         self._buf = b""
+        self._lock = threading.Lock()  # one frame at a time on the stream
         self.closed = False
 
     def send(self, dest: int, msg: Message) -> None:
         assert dest == self.peer, f"socket transport reaches only rank {self.peer}"
         data = encode(msg)
         try:
-            self.sock.sendall(struct.pack("!I", len(data)) + data)
+            with self._lock:
+                self.sock.sendall(struct.pack("!I", len(data)) + data)
         except OSError:
             self.closed = True  # the peer is gone; the caller sees it through `closed`
 
@@ -83,7 +108,7 @@ class SocketTransport:
             timeout = 0.0
         out = []
         while len(self._buf) >= 4 and len(self._buf) >= 4 + (n := struct.unpack("!I", self._buf[:4])[0]):
-            out.append((self.peer, decode(self._buf[4 : 4 + n])))
+            _received(out, self.peer, self._buf[4 : 4 + n])
             self._buf = self._buf[4 + n :]
         return out
 

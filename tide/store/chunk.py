@@ -58,6 +58,12 @@ class ChunkMeta:
         """D = len(layer_ids) * hidden_size: the width of one hidden row."""
         return len(self.layer_ids) * self.hidden_size
 
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one row in a chunk file: the bf16 hidden row, token, position and is_output
+        (HDF5's own overhead aside)."""
+        return 2 * self.row_dim + 9
+
 
 @dataclass
 class Run:
@@ -120,7 +126,11 @@ def _crc(runs: list[Run]) -> int:
 
 
 def write_chunk(path: Path, meta: ChunkMeta, runs: list[Run]) -> int:
-    """Atomically write `runs` to `path` (via `NAME.h5.tmp`, fsync, rename); returns bytes written."""
+    """Atomically write `runs` to `path` (via `NAME.h5.tmp`, fsync, rename); returns bytes written.
+
+    HDF5 builds the file in memory and plain file I/O writes it out: a full disk or a lost mount is
+    then an OSError with its errno. (h5py 3.16 writing straight to a filesystem that fills up
+    raises a RuntimeError without errno and then crashes the process in a destructor.)"""
     path = Path(path)
     for r in runs:
         check_run(r, meta)
@@ -128,39 +138,38 @@ def write_chunk(path: Path, meta: ChunkMeta, runs: list[Run]) -> int:
     n, d = int(offsets[-1]), meta.row_dim
     if n == 0:
         raise ValueError(f"{path}: runs: a chunk needs at least one row")
+    with h5py.File(path.name, "w", driver="core", backing_store=False) as f:
+        f.create_dataset("tokens", data=np.concatenate([r.tokens for r in runs]).astype("<i4"))
+        f.create_dataset("positions", data=np.concatenate([r.positions for r in runs]).astype("<i4"))
+        f.create_dataset("is_output", data=np.concatenate([r.is_output for r in runs]).astype("u1"))
+        rows = max(1, min(n, _HIDDEN_CHUNK_BYTES // (2 * d)))
+        hidden = f.create_dataset("hidden", shape=(n, d), dtype="<u2", chunks=(rows, d))
+        for r, lo in zip(runs, offsets):  # row slices: no [N, D] concatenation in memory
+            if len(r):
+                hidden[lo : lo + len(r)] = r.hidden
+        f.create_dataset("run_offsets", data=offsets)
+        f.create_dataset("run_request_id", data=[r.request_id for r in runs], dtype=_STR)
+        f.create_dataset("run_workload", data=[r.workload for r in runs], dtype=_STR)
+        f.create_dataset("run_acceptance", data=np.array([r.acceptance for r in runs], "<f4"))
+        f.create_dataset("run_draft_version", data=np.array([r.draft_version for r in runs], "<i4"))
+        f.attrs.update(format_version=FORMAT_VERSION, target_id=meta.target_id,
+                       target_hash=meta.target_hash, hidden_size=meta.hidden_size,
+                       layer_ids=np.array(meta.layer_ids, np.int64), num_tokens=n,
+                       checksum=np.uint32(_crc(runs)))
+        f.flush()
+        image = f.id.get_file_image()
     tmp = path.with_name(path.name + ".tmp")  # NAME.h5.tmp: readers list only *.h5
     try:
-        with h5py.File(tmp, "w", locking=False) as f:
-            f.create_dataset("tokens", data=np.concatenate([r.tokens for r in runs]).astype("<i4"))
-            f.create_dataset("positions", data=np.concatenate([r.positions for r in runs]).astype("<i4"))
-            f.create_dataset("is_output", data=np.concatenate([r.is_output for r in runs]).astype("u1"))
-            rows = max(1, min(n, _HIDDEN_CHUNK_BYTES // (2 * d)))
-            hidden = f.create_dataset("hidden", shape=(n, d), dtype="<u2", chunks=(rows, d))
-            for r, lo in zip(runs, offsets):  # row slices: no [N, D] concatenation in memory
-                if len(r):
-                    hidden[lo : lo + len(r)] = r.hidden
-            f.create_dataset("run_offsets", data=offsets)
-            f.create_dataset("run_request_id", data=[r.request_id for r in runs], dtype=_STR)
-            f.create_dataset("run_workload", data=[r.workload for r in runs], dtype=_STR)
-            f.create_dataset("run_acceptance", data=np.array([r.acceptance for r in runs], "<f4"))
-            f.create_dataset("run_draft_version", data=np.array([r.draft_version for r in runs], "<i4"))
-            f.attrs.update(format_version=FORMAT_VERSION, target_id=meta.target_id,
-                           target_hash=meta.target_hash, hidden_size=meta.hidden_size,
-                           layer_ids=np.array(meta.layer_ids, np.int64), num_tokens=n,
-                           checksum=np.uint32(_crc(runs)))
-            f.flush()
-        fd = os.open(tmp, os.O_RDONLY)
-        try:
-            os.fsync(fd)  # the data must be on disk before the name that promises it is
-        finally:
-            os.close(fd)
-        size = os.path.getsize(tmp)
+        with open(tmp, "wb") as fh:
+            fh.write(image)
+            fh.flush()
+            os.fsync(fh.fileno())  # the data must be on disk before the name that promises it is
         os.rename(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
     _fsync_dir(path.parent)
-    return size
+    return len(image)
 
 
 def _fsync_dir(d: Path) -> None:

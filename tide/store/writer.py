@@ -4,7 +4,9 @@
 single thread writes out. When `max_pending_chunks` chunks are already waiting or being
 written, a new run that would complete another chunk is dropped whole and counted: memory stays
 bounded (about `chunk_tokens * (max_pending_chunks + 1)` rows) and serving never stalls on storage.
-Disk errors are logged once per kind and counted, never raised into the caller.
+Disk errors are logged once per kind and counted, never raised into the caller. When the store
+cannot take more (disk full, quota, read-only, permission), capture pauses for `pause_s`: runs are
+dropped and counted instead of being buffered into chunks that would fail too; then it tries again.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import errno
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -20,6 +23,7 @@ from tide.store.chunk import (SUFFIX, ChunkError, ChunkMeta, Run, check_run, chu
                               write_chunk)
 
 log = logging.getLogger(__name__)
+FULL = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM}  # errnos that pause capture
 
 
 class ChunkWriter:
@@ -31,7 +35,7 @@ class ChunkWriter:
 
     def __init__(self, root: Path, meta: ChunkMeta, chunk_tokens: int = 2048, max_pending_chunks: int = 4,
                  retention_tokens: int | None = None,
-                 on_chunk: Callable[[Path, int], None] | None = None):
+                 on_chunk: Callable[[Path, int], None] | None = None, pause_s: float = 30.0):
         if chunk_tokens < 1 or max_pending_chunks < 1:
             raise ValueError(f"ChunkWriter: chunk_tokens ({chunk_tokens}) and max_pending_chunks "
                              f"({max_pending_chunks}) must be >= 1")
@@ -39,7 +43,7 @@ class ChunkWriter:
             raise ValueError(f"ChunkWriter: retention_tokens must be >= 1 or None, got {retention_tokens}")
         self.root, self.meta = Path(root), meta
         self.chunk_tokens, self.max_pending_chunks = chunk_tokens, max_pending_chunks
-        self.retention_tokens, self.on_chunk = retention_tokens, on_chunk
+        self.retention_tokens, self.on_chunk, self.pause_s = retention_tokens, on_chunk, pause_s
         self.root.mkdir(parents=True, exist_ok=True)
         self._buf: list[Run] = []  # runs (or pieces) of the partial chunk, _buf_rows < chunk_tokens rows
         self._buf_rows = 0
@@ -49,7 +53,8 @@ class ChunkWriter:
         self._queue: queue.Queue[list[Run] | None] = queue.Queue()
         self._closed = False
         self._logged: set[str] = set()
-        self._stats = dict(files=0, tokens=0, bytes=0, dropped_tokens=0, errors=0, deleted_files=0)
+        self._paused_until = 0.0  # time.monotonic() before which runs are dropped (store full)
+        self._stats = dict(files=0, tokens=0, bytes=0, dropped_tokens=0, errors=0, deleted_files=0, pauses=0)
         self._index: dict[str, int] = {}  # file name -> num_tokens of the chunks in root
         self._refresh_index()
         self._thread = threading.Thread(target=self._loop, name="tide-chunk-writer", daemon=True)
@@ -58,12 +63,13 @@ class ChunkWriter:
     # ---- hot path -------------------------------------------------------------------------------
     def add(self, run: Run) -> bool:
         """Buffer `run` (split across chunks if needed); False if it was dropped because the
-        queue is full or the writer is closed. Never blocks on disk."""
+        queue is full, capture is paused or the writer is closed. Never blocks on disk."""
         check_run(run, self.meta)
         n = len(run)
         with self._lock:
             handoffs = (self._buf_rows + n) // self.chunk_tokens  # full chunks this run completes
-            if self._closed or self._pending + handoffs > self.max_pending_chunks:
+            if (self._closed or self._pending + handoffs > self.max_pending_chunks
+                    or time.monotonic() < self._paused_until):
                 self._stats["dropped_tokens"] += n
                 return False
             start = 0
@@ -108,7 +114,8 @@ class ChunkWriter:
         self.close()
 
     def stats(self) -> dict[str, int]:
-        """Counters since start: files/tokens/bytes written, dropped_tokens, errors, deleted_files."""
+        """Counters since start: files/tokens/bytes written, dropped_tokens, errors, deleted_files,
+        pauses (of capture, on a full or unwritable store)."""
         with self._lock:
             return dict(self._stats)
 
@@ -134,11 +141,19 @@ class ChunkWriter:
         except Exception as e:  # ENOSPC, EACCES, EIO, ...: serving goes on, the chunk is lost
             kind = errno.errorcode.get(e.errno, str(e.errno)) if isinstance(e, OSError) else type(e).__name__
             self._count_error(kind, f"chunk writer: cannot write {path} ({n} tokens lost): {e}")
+            if isinstance(e, OSError) and e.errno in FULL:
+                with self._lock:
+                    self._paused_until = time.monotonic() + self.pause_s
+                    self._stats["pauses"] += 1
+                log.warning("chunk writer: %s: capture paused for %.0f s; serving goes on", kind, self.pause_s)
             return
         with self._lock:
+            resumed, self._paused_until = self._paused_until > 0, 0.0
             self._stats["files"] += 1
             self._stats["tokens"] += n
             self._stats["bytes"] += size
+        if resumed:
+            log.warning("chunk writer: capture resumed (%s written)", path.name)
         self._index[path.name] = n
         if self.on_chunk is not None:
             try:

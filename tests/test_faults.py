@@ -1,0 +1,237 @@
+"""Faults, each with a test: what TIDE does when a part of it breaks.
+
+  * a message of an unknown kind or protocol version: logged and dropped (socket and MPI transports);
+  * the store path is not writable, or too full to start: one clear error line at start-up;
+  * the disk fills while serving: capture pauses, serving goes on, nothing partial is visible, and
+    capture resumes once there is room;
+  * a trainer rank killed mid-training (on the test cluster): serving goes on with the last good
+    draft, the job completes and reports training as degraded;
+  * an inference rank dies (on the test cluster): the job fails with a clear error, every visible
+    chunk is whole, and no process of the job is left behind.
+A restarted trainer resuming from the newest draft is tested on a real run's files in
+tests/test_slurm.py (test_a_restarted_trainer_resumes_from_the_newest_draft).
+Filesystems are real: small tmpfs mounts (root only, like the test cluster).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import msgpack
+import numpy as np
+import pytest
+
+from cluster.cluster import cluster  # noqa: F401 (a fixture)
+from cluster.jobs import ci_config, job_processes, rank_pid, run_results, wait_for_line
+from tide import slurm
+from tide.config import load_config
+from tide.draft import DraftRegistry
+from tide.layout import RunLayout
+from tide.runtime.messages import PROTOCOL, Heartbeat, encode
+from tide.runtime.transport import SocketTransport
+from tide.store import ChunkMeta, ChunkReader, ChunkWriter, Run
+from tide.slurm import JobSpec, SlurmError, load_slurm_config
+
+ROOT = Path(__file__).resolve().parents[1]
+RUN_WAIT_S = 600  # > ci.yaml's srun_timeout_s (420 s) + 30 s to KILL
+BAD_FRAMES = [
+    msgpack.packb({"protocol": PROTOCOL, "type": "Gossip", "text": "hi"}),  # a kind from a newer release
+    msgpack.packb({"protocol": PROTOCOL + 1, "type": "Heartbeat", "role": "trainer", "rank": 1, "t": 0.0}),
+    b"\xc1 not msgpack",
+]
+
+
+# ---- messages -------------------------------------------------------------------------------------
+
+
+def test_socket_transport_logs_and_drops_messages_it_does_not_understand(caplog: pytest.LogCaptureFixture) -> None:
+    a, b = socket.socketpair()
+    ours, theirs = SocketTransport(a, rank=0, peer=1), SocketTransport(b, rank=1, peer=0)
+    for frame in BAD_FRAMES:
+        b.sendall(len(frame).to_bytes(4, "big") + frame)
+    theirs.send(0, Heartbeat("trainer", 1, 0.0))
+    with caplog.at_level(logging.WARNING, "tide.runtime.transport"):
+        got = ours.poll(timeout=5.0)
+    assert got == [(1, Heartbeat("trainer", 1, 0.0))] and not ours.closed
+    dropped = [r.getMessage() for r in caplog.records]
+    assert len(dropped) == 3 and all(m.startswith("transport: dropped a message from rank 1: ") for m in dropped)
+    assert "unknown kind 'Gossip'" in dropped[0] and f"protocol version {PROTOCOL + 1}" in dropped[1]
+    ours.close()
+    theirs.close()
+
+
+MPI_SCRIPT = """
+import json, logging, sys, time
+from tide.runtime.messages import Heartbeat
+from tide.runtime.transport import TAG, MPITransport
+logging.basicConfig(level=logging.WARNING, stream=sys.stdout, format="LOG %(message)s")
+t = MPITransport()
+if t.rank == 1:
+    for frame in sys.argv[1:]:  # hex
+        t.comm.Send([bytes.fromhex(frame), t.MPI.BYTE], dest=0, tag=TAG)
+    t.send(0, Heartbeat("trainer", 1, 0.0))
+else:
+    got, t0 = [], time.monotonic()
+    while not got and time.monotonic() - t0 < 30:
+        got = t.poll()
+        time.sleep(0.01)
+    print("GOT " + json.dumps([[src, type(m).__name__] for src, m in got]), flush=True)
+t.close()
+"""
+
+
+def test_mpi_transport_logs_and_drops_messages_it_does_not_understand() -> None:
+    """Two ranks under mpirun: rank 1 sends three bad frames and a heartbeat, rank 0 gets the heartbeat."""
+    p = subprocess.run(["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", "2", sys.executable, "-c", MPI_SCRIPT,
+                        *(f.hex() for f in BAD_FRAMES)], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert [line for line in p.stdout.splitlines() if line.startswith("GOT ")] == ['GOT [[1, "Heartbeat"]]']
+    assert p.stdout.count("LOG transport: dropped a message from rank 1: ") == 3, p.stdout
+
+
+# ---- the store's filesystem -----------------------------------------------------------------------
+
+
+@pytest.fixture
+def mount(tmp_path: Path) -> Iterator[Callable[..., Path]]:
+    """mount(size, read_only=False) -> a fresh tmpfs of that size under tmp_path, unmounted afterwards."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small filesystem needs root")
+    mounted: list[Path] = []
+
+    def make(size: str, read_only: bool = False) -> Path:
+        path = tmp_path / f"fs{len(mounted)}"
+        path.mkdir()
+        opts = f"size={size}" + (",ro" if read_only else "")
+        subprocess.run(["mount", "-t", "tmpfs", "-o", opts, "tmpfs", str(path)], check=True, capture_output=True)
+        mounted.append(path)
+        return path
+
+    yield make
+    for path in mounted:
+        subprocess.run(["umount", str(path)], check=True, capture_output=True)
+
+
+@pytest.mark.parametrize("module", ["tide.runtime", "tide.launch"])
+def test_a_read_only_store_is_one_clear_error_at_start_up(mount: Callable[..., Path], tmp_path: Path,
+                                                          module: str) -> None:
+    """Every rank (tide.runtime) and the local launcher stop before serving, naming the key to fix."""
+    store = mount("1m", read_only=True)
+    config = ci_config(tmp_path / "ci.yaml", store={"path": str(store)})
+    p = subprocess.run([sys.executable, "-m", module, "--config", str(config), "--out", str(tmp_path / "out")],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 2
+    assert p.stderr.strip().splitlines()[-1] == (f"{module}: error: store.path: cannot write to {store}: Read-only "
+                                                 "file system; give a writable directory on the shared filesystem")
+
+
+def test_a_store_without_room_for_two_chunks_is_a_clear_error_at_start_up(mount: Callable[..., Path],
+                                                                         tmp_path: Path) -> None:
+    store = mount("64k")
+    cfg = load_config(ci_config(tmp_path / "ci.yaml", store={"path": str(store)}))
+    with pytest.raises(ValueError, match=rf"^store.path: {store} has 0.1 MiB free; 2 chunks of 512 tokens need "
+                                         r"0.4 MiB: free some space or move the store$"):
+        RunLayout.open(cfg, tmp_path / "out")
+    assert not list(store.iterdir())  # not even the write test is left
+
+
+def test_a_full_disk_pauses_capture_while_serving_goes_on(mount: Callable[..., Path],
+                                                           caplog: pytest.LogCaptureFixture) -> None:
+    """A 1 MiB store takes about ten chunks of 128 rows (100 KB). The writer's `add` (serving's hot path) neither
+    raises nor waits while the disk is full; capture pauses, then resumes once there is room."""
+    store = mount("1m")
+    meta = ChunkMeta("tiny", "abc", hidden_size=128, layer_ids=(1, 2, 3))  # 777 bytes a row
+    rows = np.random.default_rng(0).integers(0, 1 << 16, (128, meta.row_dim), dtype=np.uint16)
+
+    def run(i: int) -> Run:
+        return Run(f"r{i}", np.zeros(128, np.int32), np.arange(128, dtype=np.int32), rows, np.ones(128, bool))
+
+    accepted, slowest = [], 0.0
+    with caplog.at_level(logging.WARNING, "tide.store.writer"):
+        w = ChunkWriter(store, meta, chunk_tokens=128, max_pending_chunks=1, pause_s=1.0)
+        for i in range(20):
+            t0 = time.monotonic()
+            accepted.append(w.add(run(i)))
+            slowest = max(slowest, time.monotonic() - t0)
+            w.flush()  # the test waits for each write; serving never does
+        full = w.stats()
+        assert slowest < 0.05 and 5 <= full["files"] < 20 and full["pauses"] >= 1, full
+        assert not all(accepted) and full["dropped_tokens"] == 128 * accepted.count(False)
+        assert "chunk writer: ENOSPC: capture paused for 1 s; serving goes on" in caplog.text
+        reader = ChunkReader(store, expect=meta)  # every visible chunk is whole; no temporary file is left
+        assert len(reader.load()) == full["files"] and reader.skipped == {} and not list(store.glob("*.tmp"))
+
+        for path in sorted(store.glob("*.h5"))[:4]:  # room again (retention, an operator)
+            path.unlink()
+        time.sleep(1.1)
+        assert w.add(run(99))
+        w.close()
+    assert w.stats()["files"] == full["files"] + 1
+    assert "chunk writer: capture resumed" in caplog.text
+
+
+# ---- ranks dying on the test cluster ---------------------------------------------------------------
+
+
+def submit_run(tmp_path: Path, **sections: dict) -> tuple[slurm.Job, Path, Path]:
+    """TIDE from the rendered script (`python -m tide.slurm --executor sbatch`): job, config, run dir."""
+    config, out = ci_config(tmp_path / "ci.yaml", **sections), tmp_path / "out"
+    return slurm.submit(JobSpec.for_runtime(load_slurm_config(config), config, out), "sbatch"), config, out
+
+
+@pytest.mark.slurm
+@pytest.mark.timeout(RUN_WAIT_S + 60)
+def test_a_trainer_killed_mid_training_degrades_training_not_serving(cluster: dict[str, str],
+                                                                      tmp_path: Path) -> None:
+    """SIGKILL to the training rank while rank 0 shows its steps (a cycle of 2000 steps: far from done).
+    The job completes (serving decides), the log and summary.json say training is degraded, every
+    request is served, by v0: the last good draft."""
+    job, _, out = submit_run(tmp_path, runtime={"trainer_timeout_s": 5.0}, train={"max_steps": 2000},
+                             workload={"max_tokens": 64, "nospec_baseline": False})
+    wait_for_line(job.stderr, r"^0: .* train c1 [1-9]\d*/2000 ", 300)
+    os.kill(rank_pid(out, 1), signal.SIGKILL)
+    assert slurm.wait(job, RUN_WAIT_S).state == "COMPLETED"
+    err = job.stderr.read_bytes().decode()
+    assert "tide: training rank 1 exited 137: training degraded, serving goes on" in err
+    down = err.index("decision: trainer-down")
+    assert err.find("tide.runtime.serve_role: [", down) > 0  # serving reported windows after it
+    s, reqs = run_results(out)
+    kinds = [e["kind"] for e in s["events"]]
+    assert s["training"] == "degraded" and "swap" not in kinds, s["events"]
+    assert len(reqs) == s["requests"] == 128 and {r["draft_version"] for r in reqs} == {0}
+    assert DraftRegistry(out / "drafts").latest() == 0
+
+
+@pytest.mark.slurm
+@pytest.mark.timeout(RUN_WAIT_S + 60)
+def test_an_inference_rank_dying_ends_the_job_without_partial_chunks(cluster: dict[str, str],
+                                                                      tmp_path: Path) -> None:
+    """SIGKILL to rank 0's Python while it serves and captures: the trainer is stopped, the job fails
+    naming the rank, the store holds only whole chunks, and nothing of the job lives on (vLLM's
+    engine process included)."""
+    job, config, out = submit_run(tmp_path, workload={"nospec_baseline": False})
+    wait_for_line(job.stderr, r"^0: .* stored +(?!0\.0k)[0-9.]+k ", 300)
+    os.kill(rank_pid(out, 0), signal.SIGKILL)
+    with pytest.raises(SlurmError) as e:
+        slurm.wait(job, 120)
+    assert e.value.state == "FAILED"
+    assert "tide: serving rank 0 exited 137: stopping the job" in str(e.value)
+    reader = ChunkReader(out / "store", expect=RunLayout.open(load_config(config), out).target.chunk_meta())
+    assert reader.list_chunks() and reader.load() and reader.skipped == {}
+    for _ in range(30):  # slurmstepd ends the step's processes after srun is gone
+        left = job_processes(job.job_id)
+        if not left:
+            break
+        time.sleep(1)
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    assert not left, f"processes of job {job.job_id} left running: {left}"
