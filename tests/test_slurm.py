@@ -1,12 +1,14 @@
 """Slurm plumbing: the rendered het-job script (pure), then real jobs on the local 4-node test cluster.
 
-The cluster tests (marked `slurm`) run the MPI probe tests/cluster/mpi_probe.py in place of
+Most cluster tests (marked `slurm`) run the MPI probe tests/cluster/mpi_probe.py in place of
 `python -m tide.runtime` on 2 serving ranks (gpu_infer, n0) and 2 training ranks (gpu_train, n2+n3),
 and assert on what each rank printed: one MPI_COMM_WORLD of 4, group 0's ranks first, each group in its
 partition and on its nodes, with its fake GPUs. Every job has a 2-minute limit, srun a 60 s deadline
 and every wait one too; srun's occasional hang after a het step (about 1 job in 75 here) costs
 TIDE_STEP_GRACE (5 s here) through `tide_step`, which has its own tests with a fake srun.
-Regenerate the expected script with TIDE_UPDATE_EXPECTED=1.
+The last tests run TIDE itself end to end, about two minutes each: once from `sbatch
+slurm/tide_hetjob.sh`, once from `python -m tide.launch --executor slurm`. (Faults on the cluster:
+tests/test_faults.py.) Regenerate the expected script with TIDE_UPDATE_EXPECTED=1.
 """
 
 from __future__ import annotations
@@ -18,14 +20,16 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from cluster.cluster import DEFAULT_STATE, ClusterError, cluster_is_up, start_cluster, stop_cluster
+from cluster.cluster import cluster  # noqa: F401 (a fixture)
+from cluster.jobs import ci_config, run_results
 from tide import slurm
 from tide.config import ConfigError
+from tide.draft import DraftRegistry
+from tide.metrics import AcceptanceHistogram
 from tide.slurm import Component, Job, JobSpec, SlurmConfig, SlurmError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -139,16 +143,18 @@ def test_submitit_script_is_a_het_job(tmp_path: Path) -> None:
     assert sbatch_options(text)[1] == sorted(f"#SBATCH --{o}" for o in train)
     (srun,) = [line for line in text.splitlines() if line.startswith("tide_step ")]
     assert srun.startswith(f'tide_step 60 "{tmp_path}/submitit/.step-${{SLURM_JOB_ID}}" srun --het-group=0,1 '
-                           "--mpi=pmix --kill-on-bad-exit=1 --unbuffered -- bash -c ")
+                           "--mpi=pmix --unbuffered -- bash -c ")
     assert slurm.STEP_GUARD in text
     assert "%j" not in srun and "%t" not in srun  # srun expands both per component: see HetSlurmExecutor
     assert f"{tmp_path}/submitit/${{SLURM_JOB_ID}}_${{SLURM_PROCID}}_log.err" in srun
 
 
 FAKE_SRUN = """#!/bin/bash
-# runs its command as ranks 0..2 here, then returns (ok), exits 9 (fail) or never returns (hang)
+# runs its command as ranks 0..2 here (0 and 1 serve, 2 trains), then returns (ok), exits 9 (fail)
+# or never returns, ignoring TERM (hang)
 while [[ $1 == --* ]]; do shift; done
 for r in 0 1 2; do SLURM_PROCID=$r "$@" >/dev/null 2>&1 & done
+[[ $FAKE_MODE == hang ]] && trap '' TERM
 wait
 case $FAKE_MODE in hang) exec sleep 300;; fail) exit 9;; esac
 """
@@ -158,19 +164,21 @@ case $FAKE_MODE in hang) exec sleep 300;; fail) exit 9;; esac
     ("ok", "true", 0, 0, None),
     ("fail", "true", 0, 0, None),  # every rank exited 0: srun's own code does not count
     ("hang", "true", 0, 0, "the ranks are done, srun did not return (Slurm het-step hang)"),
-    ("hang", "exit $((SLURM_PROCID == 1 ? 5 : 0))", 0, 5, "srun did not return"),
-    ("hang", "[ $SLURM_PROCID = 1 ] && exit 6 || sleep 8", 0, 6, "srun did not return"),  # a failure ends it
-    ("fail", "exit $((SLURM_PROCID == 2 ? 7 : 0))", 0, 7, None),
+    ("ok", "exit $((SLURM_PROCID == 1 ? 5 : 0))", 0, 5, "serving rank 1 exited 5: stopping the job"),
+    ("hang", "[ $SLURM_PROCID = 1 ] && exit 6 || sleep 8", 0, 6, "srun still running 3 s after TERM: killing it"),
+    ("fail", "exit $((SLURM_PROCID == 2 ? 7 : 0))", 0, 0, "training rank 2 exited 7: training degraded, serving goes on"),
+    ("ok", "[ $SLURM_PROCID = 2 ] && sleep 8 || true", 0, 0, "serving is done, training ranks still running after 1 s"),
     ("ok", "[ $SLURM_PROCID = 0 ] || sleep 3", 1, 143, "srun still running after 1 s: stopping it"),
 ])
 def test_step_guard(tmp_path: Path, mode: str, rank_cmd: str, timeout_s: int, rc: int, message: str | None) -> None:
-    """tide_step with a fake srun: srun's hang after the ranks exit costs TIDE_STEP_GRACE, not the job."""
+    """tide_step with a fake srun: serving decides the job's code, a failed training rank does not end
+    it, and srun's hang after the ranks exit costs TIDE_STEP_GRACE, not the job."""
     srun = tmp_path / "srun"
     srun.write_text(FAKE_SRUN)
     srun.chmod(0o755)
     script = (f"{slurm.STEP_GUARD}\ntide_step {timeout_s} {tmp_path}/step {srun} --label -- bash -c {rank_cmd!r}\n"
               "echo rc=$?\n")
-    env = {"PATH": os.environ["PATH"], "FAKE_MODE": mode, "TIDE_STEP_GRACE": "1",
+    env = {"PATH": os.environ["PATH"], "FAKE_MODE": mode, "TIDE_STEP_GRACE": "1", "TIDE_TRAIN_GRACE": "1",
            "SLURM_NTASKS_HET_GROUP_0": "2", "SLURM_NTASKS_HET_GROUP_1": "1"}
     p = subprocess.run(["bash", "-c", script], env=env, capture_output=True, text=True, timeout=30)
     assert p.stdout.splitlines()[-1] == f"rc={rc}", p
@@ -210,27 +218,6 @@ def test_states_fold_het_components(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 # ---- on the local cluster -------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def cluster() -> Iterator[dict[str, str]]:
-    """The local 4-node cluster (state in $TIDE_SLURM_STATE, default /tmp/tide-slurm-test, logs kept
-    there); its SLURM_CONF in os.environ while the tests run. Stopped at the end unless it was up before
-    (a session fixture's, say)."""
-    was_up = cluster_is_up(DEFAULT_STATE)
-    try:
-        env = start_cluster(DEFAULT_STATE)
-    except ClusterError as e:
-        if os.geteuid() != 0:
-            pytest.skip(str(e))
-        raise
-    with pytest.MonkeyPatch.context() as mp:
-        for k, v in env.items():
-            mp.setenv(k, v)
-        mp.setenv("TIDE_STEP_GRACE", "5")  # sbatch passes it on: srun's het-step hang costs 5 s here
-        yield env
-    if not was_up:
-        stop_cluster(DEFAULT_STATE)
 
 
 @pytest.mark.slurm
@@ -285,13 +272,16 @@ def test_submitit_executor_runs_both_groups(cluster: dict[str, str], tmp_path: P
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("executor", ["sbatch", "slurm"])
 def test_failure_carries_evidence(cluster: dict[str, str], tmp_path: Path, executor: str) -> None:
-    job = slurm.submit(probe_spec(tmp_path, "--fail-group", "1"), executor=executor)  # type: ignore[arg-type]
+    """The serving group fails: tide_step stops the training ranks (blocked in an allreduce) at once."""
+    job = slurm.submit(probe_spec(tmp_path, "--fail-group", "0"), executor=executor)  # type: ignore[arg-type]
     with pytest.raises(SlurmError) as e:
         slurm.wait(job, WAIT_S)
     msg = str(e.value)
     assert e.value.state == "FAILED"
     assert f"Slurm job {job.job_id} did not complete: state FAILED; log {job.stderr}" in msg
-    assert "mpi_probe: deliberate failure on rank 2 (het group 1)" in msg
+    assert re.search(r"mpi_probe: deliberate failure on rank [01] \(het group 0\)", msg)
+    # the first serving rank seen to fail; its code is 1 under submitit's runner
+    assert re.search(r"tide: serving rank [01] exited (3|1): stopping the job", msg)
     if executor == "slurm":
         assert job.submitit_job is not None and job.submitit_job.get_info(mode="force")["State"] == "FAILED"
 
@@ -308,3 +298,94 @@ def test_wait_deadline_cancels(cluster: dict[str, str], tmp_path: Path) -> None:
             break
         time.sleep(0.5)
     assert state in ("CANCELLED", "COMPLETING"), state  # a loaded machine's slurmd can take a minute to clean up
+
+
+# ---- TIDE itself on the local cluster ------------------------------------------------------------
+# configs/ci.yaml under the `always` policy (every trained draft is deployed: the gates are the
+# controller tests' business), with shorter cycles and a longer workload: on this 2-core machine the
+# first draft takes 15-30 s to train and would arrive about when ci.yaml's own workload ends. No
+# no-speculation baseline after serving: it measures nothing these tests look at.
+E2E = {"control": {"policy": "always"}, "train": {"max_steps": 60},
+       "workload": {"num_prompts": 164, "max_tokens": 64, "nospec_baseline": False}}
+RUN_WAIT_S = 600  # > the config's srun_timeout_s (420 s) + 30 s to KILL
+
+
+def assert_trained_draft_served(out: Path) -> None:
+    """A draft trained in component 1 (version >= 1) was deployed on rank 0 and served requests, whose
+    acceptance was recorded: above one token per step, where the untrained v0 accepts none. (What
+    the controller did later, roll back or train again, is the controller tests' business.)"""
+    s, reqs = run_results(out)
+    deployed = [e["version"] for e in s["events"] if e["kind"] == "deploy"]
+    assert s["training"] == "ok" and deployed and min(deployed) >= 1, s["events"]
+    assert len(reqs) == s["requests"] == 164
+    served = [r for r in reqs if r["draft_version"] >= 1 and r["speculate"]]
+    assert served, "no request was served by a trained draft"
+    live = AcceptanceHistogram(3, [sum(c) for c in zip(*(r["accept_counts"] for r in served))])
+    assert live.acceptance_length > 1.05, live
+    meta = DraftRegistry(out / "drafts").meta(min(deployed))
+    assert meta["al_after"] > meta["al_before"], meta
+
+
+@pytest.mark.slurm
+@pytest.mark.timeout(RUN_WAIT_S + 60)
+def test_tide_from_the_standalone_script(cluster: dict[str, str], tmp_path: Path) -> None:
+    """`sbatch [sizes of 0] : [sizes of 1] slurm/tide_hetjob.sh CONFIG OUT`: rank 0 serves on gpu_infer,
+    rank 1 trains on gpu_train, and the draft rank 1 published is the one rank 0 swapped in."""
+    serve = ["-p", "gpu_infer", "-N", "1", "--ntasks-per-node=1", "--gpus-per-node=1", "--cpus-per-task=2"]
+    train = ["-p", "gpu_train", "-N", "1", "--ntasks-per-node=1", "--gpus-per-node=1", "--cpus-per-task=2"]
+    logs = [f"--output={tmp_path}/tide-%j.out", f"--error={tmp_path}/tide-%j.err"]
+    config, out = ci_config(tmp_path / "ci.yaml", **E2E), tmp_path / "out"
+    env = {"TIDE_PYTHON": sys.executable, "TIDE_SRUN_TIMEOUT": "420"}
+    jid = slurm.sbatch(STANDALONE, [str(config), str(out)], [*logs, "--time=10", *serve, ":", "--time=10", *train], env)
+    job = Job(jid, tmp_path / f"tide-{jid}.out", tmp_path / f"tide-{jid}.err", out)
+    assert slurm.wait(job, RUN_WAIT_S).state == "COMPLETED"
+    assert re.search(rf"^tide: job {jid}: serving on n[01] \(gpu_infer\), training on n[23] \(gpu_train\)",
+                     job.stdout.read_text(), re.M)
+    err = job.stderr.read_bytes().decode()  # not read_text(): it would cut lines at tqdm's \r, before srun's labels
+    assert re.search(r"^1: .* trainer: published v1 ", err, re.M), err[-3000:]
+    assert re.search(r"^0: .* decision: deploy v1: ", err, re.M), err[-3000:]
+    assert not re.search(r"^tide: (serving|training) rank", err, re.M)  # every rank exited 0
+    assert_trained_draft_served(out)
+
+
+@pytest.fixture(scope="module")
+def launched(cluster: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, str]:
+    """`python -m tide.launch --executor slurm --config CONFIG --out OUT` (sized by ci.yaml's slurm section):
+    the config, the run dir and the launcher's stderr."""
+    tmp = tmp_path_factory.mktemp("launch-slurm")
+    config, out = ci_config(tmp / "ci.yaml", **E2E), tmp / "out"
+    p = subprocess.run([sys.executable, "-m", "tide.launch", "--executor", "slurm", "--config", str(config),
+                        "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=RUN_WAIT_S)
+    assert p.returncode == 0, p.stderr[-4000:]
+    return config, out, p.stderr
+
+
+@pytest.mark.slurm
+@pytest.mark.timeout(RUN_WAIT_S + 60)
+def test_tide_from_launch_with_the_slurm_executor(launched: tuple[Path, Path, str]) -> None:
+    """Through submitit: one log per rank, named by global rank."""
+    _, out, stderr = launched
+    (jid,) = re.findall(r"job (\d+) COMPLETED after \d+ s; results in ", stderr)
+    assert re.search(r"trainer: published v1 ", (out / "submitit" / f"{jid}_1_log.err").read_text())
+    assert re.search(r"decision: deploy v1: ", (out / "submitit" / f"{jid}_0_log.err").read_text())
+    assert_trained_draft_served(out)
+
+
+@pytest.mark.slurm
+@pytest.mark.timeout(RUN_WAIT_S + 360)  # the run itself, when this test is the first to ask for it
+def test_a_restarted_trainer_resumes_from_the_newest_draft(launched: tuple[Path, Path, str], tmp_path: Path) -> None:
+    """A trainer started afresh on the run's files, beside the leftovers of a trainer killed while
+    publishing, trains on from the newest published draft, not from scratch."""
+    config, out, _ = launched
+    reg = DraftRegistry(out / "drafts")
+    newest = reg.latest()
+    (out / "drafts" / f".v{newest + 1}.tmp-99999").mkdir()  # what a publish cut short leaves behind
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # as on the cluster's training nodes; 2 threads are slower here
+    p = subprocess.run([sys.executable, "-m", "tide.train", "--config", str(config), "--out", str(out),
+                        "--json", str(tmp_path / "cycle.json")], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert p.returncode == 0, p.stderr[-4000:]
+    r = json.loads((tmp_path / "cycle.json").read_text())
+    assert r["version"] == newest + 1 and reg.meta(newest + 1)["base_version"] == newest
+    start = reg.meta(newest)["al_after"]  # far above an untrained head's 1.0 on the same data
+    assert r["al_before"] > 1 + (start - 1) / 2, (r["al_before"], start)
