@@ -21,6 +21,7 @@ BENCHES: dict[str, str] = {
     "training-cycle": "tide.bench.learning:training_cycle",
     "controller-accuracy": "tide.bench.control:controller_accuracy",
     "never-worse": "tide.bench.control:never_worse",
+    "cpu-gemm": "tide.bench.serving:cpu_gemm",
 }
 
 

@@ -96,3 +96,42 @@ def hot_swap(work: Path, data: Path, quick: bool = False) -> dict[str, Any]:
             "offline_al_same_tokens": offline.acceptance_length,
             "live_position0": live.position_rates()[0], "offline_position0_same_tokens": offline.position_rates()[0],
             "live_hist": live.counts, "requests": len(res)}
+
+
+def cpu_gemm(work: Path, data: Path, quick: bool = False) -> dict[str, Any]:
+    """Why CPU serving runs in float32 here: one decoder layer's linears plus the LM head of SmolLM2
+    (H 576, MLP 1536, vocab 49152) at M = 1 row (a decode step) and M = 4 rows (verifying 3 drafts),
+    one thread, through the kernels vLLM-CPU picks (oneDNN where it can build a primitive, else
+    torch.nn.functional.linear). Speculation pays only if the 4-row step costs little more."""
+    import torch
+
+    from vllm import _custom_ops as ops
+
+    torch.set_num_threads(1)
+    shapes = [(576, 3072), (1536, 576), (576, 1152), (576, 49152)]  # (in, out): gate_up, down, qkv-ish, lm_head
+    out: dict[str, Any] = {}
+    for dtype in (torch.bfloat16, torch.float32):
+        ms = {}
+        for m in (1, 4):
+            total = 0.0
+            for k, n in shapes:
+                w, x = torch.randn(n, k, dtype=dtype), torch.randn(m, k, dtype=dtype)
+                try:
+                    h = ops.create_onednn_mm(w.t(), 32)
+                    f = lambda: ops.onednn_mm(h, x, None)  # noqa: E731
+                    kernel = "onednn"
+                except RuntimeError:  # no primitive for this dtype on this CPU: vLLM falls back the same way
+                    f = lambda: torch.nn.functional.linear(x, w)  # noqa: E731
+                    kernel = "torch"
+                for _ in range(3):
+                    f()
+                t0, reps = time.perf_counter(), 10 if quick else 30
+                for _ in range(reps):
+                    f()
+                total += (time.perf_counter() - t0) / reps
+            ms[m] = total * 1e3
+        name = str(dtype).removeprefix("torch.")
+        out[f"{name}_kernel"] = kernel
+        out[f"{name}_ms_m1"], out[f"{name}_ms_m4"] = ms[1], ms[4]
+        out[f"{name}_m4_over_m1"] = ms[4] / ms[1]
+    return out

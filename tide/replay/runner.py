@@ -149,6 +149,6 @@ def train_static(cfg: TideConfig, spec: WorkloadSpec, rc: ReplayConfig, out: Pat
     with open(out / "trainer.log", "ab") as f:
         subprocess.run(cmd, check=True, stdout=f, stderr=subprocess.STDOUT)
     result = json.loads((out / "train.json").read_text())
-    log.info("replay: static draft v%d, eval AL %.2f on %d held-out rows of %s", result["version"],
+    log.info("replay: static draft v%d: held-out AL %.2f after training on %d rows of %s", result["version"],
              result["al_after"], result["train_tokens"], first.name)
     return out / "drafts" / f"v{result['version']}"

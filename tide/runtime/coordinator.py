@@ -89,7 +89,7 @@ class Coordinator:
         collect from the start."""
         if self.policy == "adaptive" and self.engine.speculative:
             self.profile = self.engine.profile(self.cfg.serve.max_num_seqs)
-            self.gate = SpeculationGate(self.cfg.control.speculation, self.profile, 0, self.now())
+            self.gate = SpeculationGate(self.cfg.control.speculation, self.profile)  # clock: serving_starts
             self.record("profile", f"T(n) {', '.join(f'{n}:{t * 1e3:.1f}' for n, t in self.profile.points)} ms, "
                         f"D0 {self.profile.draft_step_s * 1e3:.1f} ms: break-even AL "
                         f"{self.profile.min_acceptance(1):.2f} at batch 1", profile=self.profile.to_json())
