@@ -194,9 +194,10 @@ def test_a_trainer_killed_mid_training_degrades_training_not_serving(cluster: di
                                                                       tmp_path: Path) -> None:
     """SIGKILL to the training rank while rank 0 shows its steps (a cycle of 2000 steps: far from done).
     The job completes (serving decides), the log and summary.json say training is degraded, every
-    request is served, by v0: the last good draft."""
-    job, _, out = submit_run(tmp_path, runtime={"trainer_timeout_s": 5.0}, train={"max_steps": 2000},
-                             workload={"max_tokens": 64, "nospec_baseline": False})
+    request is served, by v0: the last good draft. (Policy `always` keeps speculation on, so serving
+    lasts well beyond the kill and the heartbeat timeout.)"""
+    job, _, out = submit_run(tmp_path, control={"policy": "always"}, runtime={"trainer_timeout_s": 5.0},
+                             train={"max_steps": 2000}, workload={"max_tokens": 64, "nospec_baseline": False})
     wait_for_line(job.stderr, r"^0: .* train c1 [1-9]\d*/2000 ", 300)
     os.kill(rank_pid(out, 1), signal.SIGKILL)
     assert slurm.wait(job, RUN_WAIT_S).state == "COMPLETED"

@@ -302,11 +302,11 @@ def test_wait_deadline_cancels(cluster: dict[str, str], tmp_path: Path) -> None:
 
 # ---- TIDE itself on the local cluster ------------------------------------------------------------
 # configs/ci.yaml under the `always` policy (every trained draft is deployed: the gates are the
-# controller tests' business), with shorter cycles and a longer workload: on this 2-core machine the
-# first draft takes 15-30 s to train and would arrive about when ci.yaml's own workload ends. No
+# controller tests' business), with 60-step cycles and 64 tokens a request: on this 2-core machine
+# the first draft takes 15-30 s to train and would arrive about when ci.yaml's own workload ends. No
 # no-speculation baseline after serving: it measures nothing these tests look at.
 E2E = {"control": {"policy": "always"}, "train": {"max_steps": 60},
-       "workload": {"num_prompts": 164, "max_tokens": 64, "nospec_baseline": False}}
+       "workload": {"max_tokens": 64, "nospec_baseline": False}}
 RUN_WAIT_S = 600  # > the config's srun_timeout_s (420 s) + 30 s to KILL
 
 
@@ -317,7 +317,7 @@ def assert_trained_draft_served(out: Path) -> None:
     s, reqs = run_results(out)
     deployed = [e["version"] for e in s["events"] if e["kind"] == "deploy"]
     assert s["training"] == "ok" and deployed and min(deployed) >= 1, s["events"]
-    assert len(reqs) == s["requests"] == 164
+    assert len(reqs) == s["requests"] == 128
     served = [r for r in reqs if r["draft_version"] >= 1 and r["speculate"]]
     assert served, "no request was served by a trained draft"
     live = AcceptanceHistogram(3, [sum(c) for c in zip(*(r["accept_counts"] for r in served))])
