@@ -84,7 +84,7 @@ tide_step() {  # tide_step SECS DIR SRUN [OPTIONS...] -- COMMAND...
   n0=${SLURM_NTASKS_HET_GROUP_0:-$n}
   mkdir -p "$TIDE_STEP_DIR"
   # each rank in a session (process group) of its own, killed once the rank has exited: a child that
-  # outlives it (vLLM's engine process when its parent was killed) would otherwise run on, unseen
+  # outlives it (a vLLM engine or worker process whose parent was killed) would run on, unseen
   "${srun[@]}" bash -c 'setsid "$@" & p=$!; wait $p; rc=$?; kill -KILL -- -$p 2>/dev/null
     f=$TIDE_STEP_DIR/$SLURM_PROCID; echo $rc >"$f.tmp"; mv "$f.tmp" "$f"; exit $rc' rank "$@" &
   local pid=$!

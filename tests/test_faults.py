@@ -217,8 +217,8 @@ def test_a_trainer_killed_mid_training_degrades_training_not_serving(cluster: di
 def test_an_inference_rank_dying_ends_the_job_without_partial_chunks(cluster: dict[str, str],
                                                                       tmp_path: Path) -> None:
     """SIGKILL to rank 0's Python while it serves and captures: the trainer is stopped, the job fails
-    naming the rank, the store holds only whole chunks, and nothing of the job lives on (vLLM's
-    engine process included)."""
+    naming the rank, the store holds only whole chunks, and nothing of the job lives on (no vLLM
+    process either)."""
     job, config, out = submit_run(tmp_path, workload={"nospec_baseline": False})
     wait_for_line(job.stderr, r"^0: .* stored +(?!0\.0k)[0-9.]+k ", 300)
     os.kill(rank_pid(out, 0), signal.SIGKILL)
