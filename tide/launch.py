@@ -58,9 +58,14 @@ def local_trainer(config: Path, out: Path, cores: str) -> Iterator["SocketTransp
 
 
 def bind_serving(cfg: TideConfig) -> None:
-    """vLLM's CPU threads on the serving cores (the trainer gets the others)."""
+    """vLLM's CPU threads on the serving cores (the trainer gets the others), and its engine core in
+    this process (uniproc executor): with vLLM's default engine-core process next to a worker
+    process, the core busy-waits on the worker and takes a second CPU core, the trainer's. Same
+    tokens/s otherwise (SmolLM2, measured). Only for a process that serves and nothing else: vLLM's
+    process groups then live in this process."""
     if cfg.runtime.serve_cores:
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cfg.runtime.serve_cores)
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 
 def run_local(cfg: TideConfig, config: Path, out: Path) -> dict:

@@ -94,10 +94,6 @@ class TideEngine:
         from vllm.v1.engine.llm_engine import LLMEngine
 
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg.kv_cache_space_gib))
-        # The engine core and its one worker in this process ("uni"). With vLLM's default engine-core
-        # and worker processes the core busy-waits on the worker and takes a second CPU core: on
-        # a 2-core machine, the trainer's. Same tokens/s otherwise (SmolLM2, measured).
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         spec = None
         if draft_dir is not None:
             spec = {"method": "eagle3", "model": str(draft_dir), "num_speculative_tokens": cfg.num_speculative_tokens}
