@@ -6,7 +6,7 @@ and assert on what each rank printed: one MPI_COMM_WORLD of 4, group 0's ranks f
 partition and on its nodes, with its fake GPUs. Every job has a 2-minute limit, srun a 60 s deadline
 and every wait one too; srun's occasional hang after a het step (about 1 job in 75 here) costs
 TIDE_STEP_GRACE (5 s here) through `tide_step`, which has its own tests with a fake srun.
-The last tests run TIDE itself end to end, about two minutes each: once from `sbatch
+The last tests run TIDE itself end to end, about 100 s each: once from `sbatch
 slurm/tide_hetjob.sh`, once from `python -m tide.launch --executor slurm`. (Faults on the cluster:
 tests/test_faults.py.) Regenerate the expected script with TIDE_UPDATE_EXPECTED=1.
 """
