@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tide.config import TideConfig
-from tide.control import (CollectAction, CollectionGate, Decision, LatencyProfile, RollbackAction, RollbackGate,
+from tide.control import (CollectAction, CollectionGate, Decision, RollbackAction, RollbackGate,
                           SpecAction, SpeculationGate, SpeculationObservation)
 from tide.metrics import AcceptanceHistogram
 from tide.runtime.messages import (Deploy, DraftReady, Heartbeat, Shutdown, Train, TrainFailed, TrainProgress)
@@ -47,7 +47,6 @@ class Coordinator:
         self.collect = CollectionGate(cfg.control.collect)
         self.rollback = RollbackGate(cfg.control.rollback, engine.gamma)
         self.gate: SpeculationGate | None = None
-        self.profile: LatencyProfile | None = None
         self._live: deque[AcceptanceHistogram] = deque()  # recent windows' drafting steps while speculating
         self._steps = 0
         self._estimate_al: float | None = None  # held-out AL of the live draft, from its training cycle
@@ -88,11 +87,11 @@ class Coordinator:
         """Profile the latencies the speculation gate needs; a fresh (untrained) draft shows no shift:
         collect from the start."""
         if self.policy == "adaptive" and self.engine.speculative:
-            self.profile = self.engine.profile(self.cfg.serve.max_num_seqs)
-            self.gate = SpeculationGate(self.cfg.control.speculation, self.profile)  # clock: serving_starts
-            self.record("profile", f"T(n) {', '.join(f'{n}:{t * 1e3:.1f}' for n, t in self.profile.points)} ms, "
-                        f"D0 {self.profile.draft_step_s * 1e3:.1f} ms: break-even AL "
-                        f"{self.profile.min_acceptance(1):.2f} at batch 1", profile=self.profile.to_json())
+            profile = self.engine.profile(self.cfg.serve.max_num_seqs)
+            self.gate = SpeculationGate(self.cfg.control.speculation, profile)  # clock: serving_starts
+            self.record("profile", f"T(n) {', '.join(f'{n}:{t * 1e3:.1f}' for n, t in profile.points)} ms, "
+                        f"D0 {profile.draft_step_s * 1e3:.1f} ms: break-even AL "
+                        f"{profile.min_acceptance(1):.2f} at batch 1", profile=profile.to_json())
             self.engine.set_speculation(self.gate.enabled)
         if self.policy == "frozen" or not self.trainer_ranks:  # nothing would learn from what is captured
             self.engine.set_capture(False)
