@@ -209,10 +209,13 @@ class Coordinator:
 
     # ------------------------------------------------------------------ actions
     def _train(self, reason: str) -> None:
+        """Train on what was stored since collection started: rows from before a shift would teach the
+        draft the old workload and, in the eval split, hide whether it learned the new one."""
         self.cycle += 1
+        window = min(self.cfg.store.retention_tokens, self.collect.stored_tokens)
         for r in self.trainer_ranks:
-            self.transport.send(r, Train(self.cycle, self.cfg.store.retention_tokens, reason))  # type: ignore[union-attr]
-        self.record("train", reason, data_cycle=self.cycle)
+            self.transport.send(r, Train(self.cycle, window, reason))  # type: ignore[union-attr]
+        self.record("train", reason, data_cycle=self.cycle, window_tokens=window)
 
     def _deploy(self, version: int, reason: str) -> None:
         previous = self.engine.version

@@ -50,15 +50,22 @@ def init_distributed() -> tuple[int, int]:
     import deepspeed
     from deepspeed.accelerator import get_accelerator
 
-    if "WORLD_SIZE" not in os.environ:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1")
-        os.environ.setdefault("LOCAL_RANK", "0")  # a caller may have picked the device
     backend = "gloo" if get_accelerator().device_name() == "cpu" else None
-    deepspeed.init_distributed(dist_backend=backend, verbose=False)
-    return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if "WORLD_SIZE" in os.environ:  # started by a launcher (srun, torchrun, mpirun)
+        deepspeed.init_distributed(dist_backend=backend, verbose=False)
+        return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    single = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1")
+    os.environ.update(single)
+    os.environ.setdefault("LOCAL_RANK", "0")  # a caller may have picked the device
+    try:
+        deepspeed.init_distributed(dist_backend=backend, verbose=False)
+    finally:  # a child of this process must not think it joins this one-process group
+        for key in single:
+            os.environ.pop(key, None)
+    return 0, 1
 
 
 def use_bf16(precision: str) -> bool:
