@@ -200,7 +200,8 @@ def test_shift_then_recovery_along_the_curve() -> None:
     assert sh.threshold_s == pytest.approx(2.0 + 20_000 / rate)  # nothing dropped: 98 MB/s < 693 MB/s
     assert r.dropped_tokens == 0 and not sh.storage_limited
     assert sh.published_s == pytest.approx(sh.threshold_s + sh.cycle_s) and sh.recovered_s == sh.published_s
-    # fixed cost + reading the window (every rank reads all of it) + 2 epochs over its train split
+    # fixed cost + reading the 20k rows stored since the shift (every rank reads all of them) + 2 epochs
+    # over their train split
     read_s = 20_000 * (6 * 4096 + 9) / 307.5e6
     assert sh.cycle_s == pytest.approx(7.65 + read_s + 2 * 20_000 * 0.9 / r.train_tokens_per_s)
     # 20k rows on the default curve (0 -> 0, 37.1k -> 0.40): 0.216 of the lost 0.9 AL comes back
@@ -258,6 +259,25 @@ def test_cycle_of_an_earlier_workload_is_discarded() -> None:
     assert second.recovered_s is not None and second.al_final > 1.05
     # its rows were stored 2 + 5 s after it, but the trainer was busy: waiting counts as training
     assert second.threshold_s == pytest.approx(2.0 + 20_000 / 4000) and second.bottleneck == "training"
+
+
+def test_a_cycle_trains_only_on_the_rows_since_its_shift() -> None:
+    # as Coordinator._train: min(retention_tokens, rows stored since collection started). Collection
+    # stays on while the first cycle trains, so the store holds ~60k rows of the first workload when
+    # the second shift comes; the second cycle still reads and trains on its own 20k rows only
+    s = parse_scenario(scenario(shifts=[{"at_s": 100.0, "al": 1.1}, {"at_s": 300.0, "al": 1.05}]))
+    first, second = simulate(s).shifts
+    assert first.recovered_s is not None and second.recovered_s is not None
+    assert first.train_tokens == second.train_tokens == pytest.approx(20_000 * 0.9)
+    assert second.cycle_s == pytest.approx(first.cycle_s)
+    # a shift whose rows pile up while the trainers finish a discarded cycle: capped at retention
+    busy = scenario(shifts=[{"at_s": 100.0, "al": 1.1}, {"at_s": 110.0, "al": 1.05}],
+                    training={"count": 2, "n_threshold": 20_000, "retention_tokens": 30_000,
+                              "tokens_per_s_per_gpu": 2_000.0})
+    first, second = simulate(parse_scenario(busy)).shifts
+    started = second.published_s - second.cycle_s  # after the shift; 30k rows are stored 9.5 s after it
+    assert first.recovered_s is None and started > 2.0 + 30_000 / 4000
+    assert second.train_tokens == pytest.approx(30_000 * 0.9)
 
 
 def test_steady_state_matches_the_planner() -> None:

@@ -58,7 +58,7 @@ class Training:
     read_bytes_per_s: float = 307.5e6  # one rank reads and verifies the window's chunks (same fit)
     start_s: float = 0.0  # trainer start-up before its first cycle; 0: resident (serving waits for it)
     n_threshold: int = 32_768  # stored rows that start a cycle (CollectConfig.n_threshold)
-    retention_tokens: int = 1_000_000  # the window a cycle trains on (StoreConfig.retention_tokens)
+    retention_tokens: int = 1_000_000  # most rows a cycle trains on (StoreConfig.retention_tokens)
     eval_fraction: float = 0.1
     cycles_per_shift: int = 1  # 1 = Algorithm 1: one cycle, then stop collecting
     deploy_s: float = 0.0  # publish -> serving on every instance

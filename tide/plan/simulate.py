@@ -13,7 +13,7 @@ drops. Between two events every rate is constant, so the loop jumps from event t
                                                      writers; the rest is dropped (writer queue full)
     cycle k      starts once k * N_threshold rows were stored since the shift and the trainers are
                  free; lasts fixed + W * (6H + 9) / read + epochs * W * (1 - eval) / R_n, where
-                 W = rows in the retention window (every rank reads all of it) and
+                 W = min(rows stored since the shift, retention) (every rank reads all of it) and
                  R_n = R * (1 + (n - 1) * eff) for n trainers of R tokens/s each
     deploy       AL = AL_low + (AL_high - AL_low) * g(fresh rows): g is the recovery curve
 
@@ -95,7 +95,7 @@ class _Loop:
         self.profile = latency_profile(s)
         self.t, self.al, self.phase = 0.0, s.al_aligned, -1  # phase: index of the latest shift
         self.collecting, self.training, self.trainer_started, self.cycles = False, False, False, 0
-        self.fresh = self.window = 0.0  # rows stored since the shift / in the retention window
+        self.fresh = 0.0  # rows stored since the shift (collection starts after it)
         self.totals = dict(served=0.0, offered=0.0, stored=0.0, dropped=0.0, saturated_s=0.0)
         self.segments: list[Segment] = []
         self.shift_log: list[dict[str, Any]] = []
@@ -127,7 +127,6 @@ class _Loop:
         if log and log["threshold"] is None and self.fresh < n <= self.fresh + stored:
             log["threshold"] = self.t + (n - self.fresh) / stored * dt  # the exact crossing
         self.fresh += stored
-        self.window = min(self.window + stored, self.s.training.retention_tokens)
         for key, v in [("served", served * dt), ("offered", demand / self.bpt * dt), ("stored", stored),
                        ("dropped", dropped), ("saturated_s", dt if demand > self.bw else 0.0)]:
             self.totals[key] += v
@@ -149,9 +148,11 @@ class _Loop:
         return self.t + need / stored_per_s if stored_per_s > 0 else math.inf
 
     def start_cycle(self) -> None:
-        """Train on the retention window: fixed cost, reading the window, epochs over its train split."""
+        """Train on the rows stored since the shift, at most `retention_tokens` (as the runtime's
+        `Coordinator._train`): fixed cost, reading them, epochs over their train split."""
         tr, log = self.s.training, self.shift_log[self.phase]
-        rows, read = self.window * (1 - tr.eval_fraction), self.window * self.bpt / tr.read_bytes_per_s
+        window = min(self.fresh, tr.retention_tokens)
+        rows, read = window * (1 - tr.eval_fraction), window * self.bpt / tr.read_bytes_per_s
         cycle = tr.cycle_fixed_s + read + tr.epochs * rows / self.train_rate
         start, self.trainer_started = (0.0 if self.trainer_started else tr.start_s), True
         self.training, self.cycles = True, self.cycles + 1
@@ -160,7 +161,7 @@ class _Loop:
             log.update(cycle=cycle, read=read, train_tokens=rows)
             if log["threshold"] is None:  # crossed within float slack of the cycle start
                 log["threshold"] = self.t
-        self.push(self.t + start + cycle, "done", self.phase, min(self.fresh, self.window))  # new rows it saw
+        self.push(self.t + start + cycle, "done", self.phase, window)  # the rows it trains on
 
     def handle(self, kind: str, phase: int, value: float) -> None:
         s, tr = self.s, self.s.training
@@ -216,8 +217,8 @@ class _Loop:
 
 def _shift_result(log: dict[str, Any]) -> ShiftResult:
     """Times relative to the shift, and which phase took longest: detection, collection (bound by
-    capture, or by storage where the store's bandwidth capped it), the first cycle's read of the
-    retention window, or training (waiting for the trainers, start-up, fixed cost, steps)."""
+    capture, or by storage where the store's bandwidth capped it), the first cycle's read of its
+    rows, or training (waiting for the trainers, start-up, fixed cost, steps)."""
     at, end = log["at"], log["end"]
     rel = {k: (None if log[k] is None else log[k] - at) for k in ("threshold", "published", "recovered")}
     if log["detect"] is None:
