@@ -193,6 +193,20 @@ def test_retention_keeps_newest_window(tmp_path):
     assert [r.request_id for r in reader.load(window_tokens=20)] == ["w-5", "w-4"]
 
 
+def test_a_window_since_a_time_leaves_older_chunks_out(tmp_path):
+    """What the coordinator asks a cycle to train on: the chunks written since collection started."""
+    with ChunkWriter(tmp_path, META, chunk_tokens=10) as w:
+        for i in range(4):
+            if i == 2:
+                since = time.time_ns()
+            w.add(make_run(f"w-{i}", 10, seed=i))
+            w.flush()
+    reader = ChunkReader(tmp_path, expect=META)
+    assert [r.request_id for r in reader.load(since_ns=since)] == ["w-3", "w-2"]
+    assert [r.request_id for r in reader.load(window_tokens=10, since_ns=since)] == ["w-3"]
+    assert len(reader.list_chunks(since_ns=since)) == 2 and len(reader.list_chunks()) == 4
+
+
 def test_blocked_disk_drops_runs_without_blocking(tmp_path, monkeypatch):
     release, real = threading.Event(), writer_mod.write_chunk
 

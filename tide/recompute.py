@@ -19,9 +19,14 @@ from tide.target import Target
 
 
 class Recompute:
-    def __init__(self, target: Target, dtype: torch.dtype = torch.bfloat16) -> None:
+    def __init__(self, target: Target, dtype: torch.dtype | None = None) -> None:
+        """`dtype` None: bf16 where the CPU has bf16 matmul units, else float32 (on an AVX2 CPU a
+        bf16 forward is several times slower; the baseline should run at its fastest)."""
         from transformers import AutoModelForCausalLM
 
+        from tide.train.trainer import cpu_has_bf16
+
+        dtype = dtype or (torch.bfloat16 if cpu_has_bf16() else torch.float32)
         self.target = target
         self.model = AutoModelForCausalLM.from_pretrained(target.path, dtype=dtype).eval()
 

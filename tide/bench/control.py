@@ -12,12 +12,10 @@ from tide.draft import DraftRegistry, init_draft, save_draft
 from tide.metrics import AcceptanceHistogram
 from tide.serve.engine import Request, TideEngine
 
-DEFAULT = Path(__file__).resolve().parents[2] / "configs" / "local.yaml"
-
 
 def _setup(work: Path) -> tuple[Any, Any, Path]:
     """The embedded default's config and target, and an untrained head at work/drafts/v0."""
-    from tide.bench.learning import _target
+    from tide.bench.learning import DEFAULT, _target
 
     cfg, target = load_config(DEFAULT), _target()
     shutil.rmtree(work, ignore_errors=True)

@@ -3,6 +3,7 @@ would serve it); a fresh head learns from the hidden states of those answers."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import shutil
@@ -16,7 +17,7 @@ from tide.serve.engine import TideEngine
 from tide.target import Target
 
 log = logging.getLogger(__name__)
-ROOT = Path(__file__).resolve().parents[2]
+DEFAULT = Path(__file__).resolve().parents[2] / "configs" / "local.yaml"
 
 
 def _target() -> Target:
@@ -35,7 +36,8 @@ def answers(target: Target, work: Path, data: Path, n: int, max_tokens: int = 19
         return [tuple(json.loads(line)) for line in cache.read_text().splitlines()]  # type: ignore[misc]
     reqs = build_requests(WorkloadConfig(dataset="gsm8k", path=str(data / "gsm8k" / "train.jsonl"),
                                          num_prompts=100_000, max_tokens=max_tokens), target.path, 1024)[:n]
-    eng = TideEngine(target, ServeConfig(max_num_seqs=16, max_model_len=2048, max_num_batched_tokens=2048), None)
+    eng = TideEngine(target, ServeConfig(max_num_seqs=16, max_model_len=2048, max_num_batched_tokens=2048), None,
+                     dtype=load_config(DEFAULT).model.dtype)
     done = [0]
 
     def progress(w) -> None:
@@ -54,8 +56,9 @@ def answers(target: Target, work: Path, data: Path, n: int, max_tokens: int = 19
 
 
 def _train_cfg() -> TrainConfig:
-    """The embedded default's trainer settings, unchanged."""
-    return load_config(ROOT / "configs" / "local.yaml").train
+    """The embedded default's trainer settings, evaluated at gamma 3 (the issue's and the paper's
+    figure) whatever K the default serves with."""
+    return dataclasses.replace(load_config(DEFAULT).train, gamma=3)
 
 
 def _cycle(target: Target, store: Path, drafts: Path, cfg: TrainConfig):

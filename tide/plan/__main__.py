@@ -83,7 +83,7 @@ def simulate_main(argv: list[str]) -> int:
                     "curve, and a schedule of workload shifts. Prints throughput against a static draft "
                     "and against every GPU serving plainly, dropped capture, and per shift the time to "
                     "a published draft, to recovery, and the bottleneck (detect, capture, storage, the trainer's "
-                    "read of the retention window, training).",
+                    "read of the rows collected since the shift, training).",
         epilog="Scenario YAML (configs/simulate/*.yaml): hidden_size, duration_s, al_aligned, detect_s, "
                "serving {tokens_per_s, instances, gpu, gpus_per_instance, gamma, draft_cost, verify_cost, "
                "keep_fraction}, storage {bandwidth: [[writers, bytes_per_s], ...], row_overhead_bytes}, "

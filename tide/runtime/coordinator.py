@@ -57,6 +57,7 @@ class Coordinator:
         self.trainer_seen = time.time()
         self.trainer_alive = bool(trainer_ranks)
         self._stored = 0
+        self._since_ns = 0  # when the current collection started
         self._t0 = time.perf_counter()
         self._last_poll = 0.0
         self._swapped_in_window = False
@@ -72,6 +73,7 @@ class Coordinator:
 
     def _apply(self, d: Decision) -> None:
         if d.action is CollectAction.COLLECT:
+            self._since_ns = time.time_ns()  # the writer names chunks by this clock (same host)
             self.engine.set_capture(True)
             self.record("collect", d.reason)
         elif d.action is CollectAction.TRAIN:
@@ -175,7 +177,10 @@ class Coordinator:
                     self._deploy(msg.version, "policy always: deploy every trained draft")
                     self._apply(self.collect.collect_now("policy always: keep collecting"))
                 else:
-                    self._apply(self.collect.on_trained(msg.version, msg.eval_al, msg.base_al))
+                    d = self.collect.on_trained(msg.version, msg.eval_al, msg.base_al)
+                    self._apply(d)
+                    if d.action is CollectAction.REJECT and msg.base_version == self.engine.version:
+                        self._estimate_al = msg.base_al  # the live draft on fresh data: the gate's estimate while off
             elif isinstance(msg, TrainFailed):
                 self.record("train-failed", msg.reason)
                 self._apply(self.collect.on_training_failed(msg.reason))
@@ -209,13 +214,14 @@ class Coordinator:
 
     # ------------------------------------------------------------------ actions
     def _train(self, reason: str) -> None:
-        """Train on what was stored since collection started: rows from before a shift would teach the
-        draft the old workload and, in the eval split, hide whether it learned the new one."""
+        """Train on the chunks written since collection started (all of them, up to when the trainer
+        reads): rows from before a shift would teach the draft the old workload and, in the eval split,
+        hide whether it learned the new one."""
         self.cycle += 1
-        window = min(self.cfg.store.retention_tokens, self.collect.stored_tokens)
         for r in self.trainer_ranks:
-            self.transport.send(r, Train(self.cycle, window, reason))  # type: ignore[union-attr]
-        self.record("train", reason, data_cycle=self.cycle, window_tokens=window)
+            self.transport.send(r, Train(self.cycle, self.cfg.store.retention_tokens, self._since_ns,  # type: ignore[union-attr]
+                                         self.engine.version, reason))
+        self.record("train", reason, data_cycle=self.cycle)
 
     def _deploy(self, version: int, reason: str) -> None:
         previous = self.engine.version

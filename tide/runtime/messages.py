@@ -14,7 +14,7 @@ from typing import Union
 
 import msgpack
 
-PROTOCOL = 1  # bump when a message changes incompatibly
+PROTOCOL = 2  # bump when a message changes incompatibly (2: Train.since_ns and base_version)
 
 
 @dataclass(frozen=True)
@@ -37,7 +37,9 @@ class Stats:
 @dataclass(frozen=True)
 class Train:
     cycle: int
-    window_tokens: int
+    window_tokens: int  # at most this many of the newest stored tokens (0: no bound)
+    since_ns: int  # only chunks written from this time on (time.time_ns() of the writer's host; 0: all)
+    base_version: int  # the draft to train from: the one serving (-1: the newest published)
     reason: str
 
 
@@ -57,6 +59,7 @@ class DraftReady:
     path: str
     eval_al: float  # the new draft's simulated acceptance on held-out captured data
     base_al: float  # the draft it started from, on the same data
+    base_version: int
     train_tokens: int
     wall_s: float
 

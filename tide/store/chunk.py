@@ -103,6 +103,12 @@ def chunk_name(seq: int) -> str:
     return f"chunk-{time.time_ns():019d}-{os.getpid()}-{seq:06d}{SUFFIX}"
 
 
+def chunk_time_ns(path: Path) -> int:
+    """When `chunk_name` named this file (0 for a name it did not make)."""
+    stamp = path.name.split("-")[1] if path.name.count("-") >= 3 else ""
+    return int(stamp) if stamp.isdigit() else 0
+
+
 def check_run(run: Run, meta: ChunkMeta) -> None:
     """Raise ValueError naming the field if `run` does not fit `meta` (shapes and dtypes only)."""
     n = len(run)

@@ -11,7 +11,7 @@ import zlib
 from pathlib import Path
 from typing import Literal
 
-from tide.store.chunk import SUFFIX, ChunkError, ChunkMeta, Run, read_chunk, read_header
+from tide.store.chunk import SUFFIX, ChunkError, ChunkMeta, Run, chunk_time_ns, read_chunk, read_header
 
 log = logging.getLogger(__name__)
 
@@ -43,10 +43,13 @@ class ChunkReader:
             self._warned.add(key)
             log.warning("skipping chunk (%s): %s", e.reason, e)
 
-    def _window(self, window_tokens: int | None) -> list[tuple[Path, int]]:
-        """(path, num_tokens) newest first, until the window's token total is reached."""
+    def _window(self, window_tokens: int | None, since_ns: int = 0) -> list[tuple[Path, int]]:
+        """(path, num_tokens) newest first, until the window's token total is reached or the chunks
+        are older than `since_ns`."""
         out, total = [], 0
         for path in sorted(self.root.glob(f"*{SUFFIX}"), key=lambda p: p.name, reverse=True):
+            if chunk_time_ns(path) < since_ns:
+                break
             try:
                 n = read_header(path, self.expect)[1]
             except ChunkError as e:
@@ -58,11 +61,12 @@ class ChunkReader:
                 break
         return out
 
-    def list_chunks(self, window_tokens: int | None = None) -> list[Path]:
+    def list_chunks(self, window_tokens: int | None = None, since_ns: int = 0) -> list[Path]:
         """Chunk files newest first (by name), only complete `*.h5`, covering `window_tokens` tokens
-        (the oldest listed chunk may overshoot); None lists all. Checks attributes, not checksums."""
+        (the oldest listed chunk may overshoot; None: all) and written from `since_ns` on. Checks
+        attributes, not checksums."""
         self.skipped = {}
-        return [p for p, _ in self._window(window_tokens)]
+        return [p for p, _ in self._window(window_tokens, since_ns)]
 
     def total_tokens(self) -> int:
         """Tokens in all readable chunks of the expected target (from the attributes)."""
@@ -70,8 +74,8 @@ class ChunkReader:
         return sum(n for _, n in self._window(None))
 
     def load(self, window_tokens: int | None = None, split: Literal["all", "train", "eval"] = "all",
-             eval_fraction: float = 0.1) -> list[Run]:
-        """Verified runs of the window, newest chunk first (row order kept inside a chunk).
+             eval_fraction: float = 0.1, since_ns: int = 0) -> list[Run]:
+        """Verified runs of the window (see `list_chunks`), newest chunk first (row order kept inside a chunk).
 
         A request split across chunks comes back as several runs with the same id (ordered by
         position within each); `split` keeps them all on one side (see `is_eval`).
@@ -82,7 +86,7 @@ class ChunkReader:
             raise ValueError(f"load: eval_fraction must be in [0, 1], got {eval_fraction}")
         self.skipped = {}
         runs: list[Run] = []
-        for path, _ in self._window(window_tokens):
+        for path, _ in self._window(window_tokens, since_ns):
             try:
                 got = read_chunk(path, self.expect)
             except ChunkError as e:

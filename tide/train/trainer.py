@@ -74,9 +74,14 @@ def use_bf16(precision: str) -> bool:
     if precision != "auto":
         return precision == "bf16"
     if get_accelerator().device_name() == "cpu":
-        flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-        return "avx512_bf16" in flags or "amx_bf16" in flags
+        return cpu_has_bf16()
     return bool(get_accelerator().is_bf16_supported())
+
+
+def cpu_has_bf16() -> bool:
+    """Whether this CPU multiplies bf16 natively; without it bf16 is slower than float32."""
+    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 def deepspeed_config(cfg: TrainConfig, bf16: bool) -> dict[str, Any]:
@@ -124,6 +129,7 @@ class CycleResult:
     vocab_coverage: float
     source_chunks: list[str]
     recompute_s: float = 0.0  # train.signals = recompute: time the target spent regenerating hidden states
+    base_version: int = 0  # the draft this cycle started from (al_before is its figure)
 
     def to_json(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -158,8 +164,11 @@ class DraftTrainer:
             _barrier()
             torch.distributed.destroy_process_group()
 
-    def current_draft(self) -> tuple[int, Eagle3Draft]:
-        """Resume from the newest published draft (or the configured initial one, or a fresh head)."""
+    def current_draft(self, base: int | None = None) -> tuple[int, Eagle3Draft]:
+        """Start from published draft `base` (the one serving, so that the new draft is measured against
+        it); None: resume from the newest published draft (or the configured initial one, or a fresh head)."""
+        if base is not None and (self.registry.path(base) / "model.safetensors").exists():
+            return base, load_draft(self.registry.path(base), self.target_dir)
         v = self.registry.latest()
         if v:
             return v, load_draft(self.registry.path(v), self.target_dir)
@@ -167,21 +176,22 @@ class DraftTrainer:
             return 0, load_draft(Path(self.init_dir), self.target_dir)
         return 0, init_draft(self.target_dir, self.aux_layer_ids, self.draft_vocab_size, seed=self.cfg.seed)
 
-    def cycle(self, window_tokens: int | None = None,
+    def cycle(self, window_tokens: int | None = None, since_ns: int = 0, base: int | None = None,
               on_progress: Callable[[dict[str, Any]], None] | None = None) -> CycleResult | None:
-        """One training cycle over the newest `window_tokens` stored tokens. None if there is no data."""
+        """One training cycle from draft `base` (see `current_draft`) over the newest `window_tokens`
+        stored tokens written from `since_ns` on. None if there is no data."""
         import deepspeed
         from deepspeed.accelerator import get_accelerator
 
         t_start, recompute_s = time.time(), self.recompute_s
         cfg = self.cfg
-        chunks = self.reader.list_chunks(window_tokens)
-        train = sequences(self._signals(self.reader.load(window_tokens, "train", self.eval_fraction)), cfg.seq_len)
-        held = sequences(self._signals(self.reader.load(window_tokens, "eval", self.eval_fraction)), cfg.seq_len)
+        chunks = self.reader.list_chunks(window_tokens, since_ns)
+        train, held = (sequences(self._signals(self.reader.load(window_tokens, split, self.eval_fraction, since_ns)),
+                                 cfg.seq_len) for split in ("train", "eval"))
         if not train or not held:
             log.warning("trainer: not enough data (%d train / %d eval sequences)", len(train), len(held))
             return None
-        base_version, draft = self.current_draft()
+        base_version, draft = self.current_draft(base)
         _, head = target_heads(self.target_dir)
         coverage = rebuild_vocab(draft, train, head)
         device = torch.device(get_accelerator().device_name())
@@ -220,11 +230,11 @@ class DraftTrainer:
         result = CycleResult(version=0, al_before=al_before, al_after=0.0, train_tokens=tokens * self.world,
                              steps=total, wall_s=0.0, tokens_per_s=tokens * self.world / max(train_s, 1e-9),
                              final_loss=loss_v, vocab_coverage=coverage, source_chunks=[p.name for p in chunks],
-                             recompute_s=self.recompute_s - recompute_s)
+                             recompute_s=self.recompute_s - recompute_s, base_version=base_version)
         if self.rank == 0:
             result.al_after = self._evaluate(trained, eval_batches, device)
             result.wall_s = time.time() - t_start
-            result.version = self.registry.publish(trained.cpu(), {**result.to_json(), "base_version": base_version})
+            result.version = self.registry.publish(trained.cpu(), result.to_json())
             log.info("trainer: published v%d  AL %.3f -> %.3f  (%d tokens, %d steps, %.0f s)", result.version,
                      al_before, result.al_after, result.train_tokens, total, result.wall_s)
         _barrier()
