@@ -57,15 +57,30 @@ def local_trainer(config: Path, out: Path, cores: str) -> Iterator["SocketTransp
         transport.close()
 
 
+def bind_cores(spec: str) -> None:
+    """Pin this process (and the threads it starts) to `spec` cores, e.g. '1' or '0,2-3', with one
+    OpenMP thread per core."""
+    cores: set[int] = set()
+    for part in spec.split(","):
+        a, _, b = part.partition("-")
+        cores.update(range(int(a), int(b or a) + 1))
+    os.sched_setaffinity(0, cores)
+    import torch
+
+    torch.set_num_threads(len(cores))
+
+
 def bind_serving(cfg: TideConfig) -> None:
-    """vLLM's CPU threads on the serving cores (the trainer gets the others), and its engine core in
-    this process (uniproc executor): with vLLM's default engine-core process next to a worker
-    process, the core busy-waits on the worker and takes a second CPU core, the trainer's. Same
-    tokens/s otherwise (SmolLM2, measured). Only for a process that serves and nothing else: vLLM's
-    process groups then live in this process."""
-    if cfg.runtime.serve_cores:
-        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cfg.runtime.serve_cores)
+    """This process serves on the serving cores (the trainer gets the others), with vLLM's engine
+    core in-process (uniproc executor): with vLLM's default engine-core process next to a worker
+    process, the core busy-waits on the worker and takes a second CPU core, the trainer's. In-process,
+    vLLM ignores VLLM_CPU_OMP_THREADS_BIND (only its multiprocessing executor applies it), so the
+    process pins itself; unpinned, its OpenMP team spreads over every core and a busy trainer core
+    stalls each step. Only for a process that serves and nothing else: vLLM's process groups then
+    live in this process."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    if cfg.runtime.serve_cores:
+        bind_cores(cfg.runtime.serve_cores)
 
 
 def run_local(cfg: TideConfig, config: Path, out: Path) -> dict:

@@ -64,6 +64,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"tide.runtime: error: {e}", file=sys.stderr)
         return 2
     if args.cores:
+        from tide.launch import bind_cores
+
         bind_cores(args.cores)
     from tide.runtime.trainer_role import run_trainer
     from tide.runtime.transport import MPITransport, SocketTransport
@@ -84,18 +86,6 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger(__name__).warning("rank %d: only rank 0 serves in this version; idle", transport.rank)
     transport.close()
     return 0
-
-
-def bind_cores(spec: str) -> None:
-    """Pin this process (and the threads it starts) to `spec` cores, e.g. '1' or '0,2-3'."""
-    cores: set[int] = set()
-    for part in spec.split(","):
-        a, _, b = part.partition("-")
-        cores.update(range(int(a), int(b or a) + 1))
-    os.sched_setaffinity(0, cores)
-    import torch
-
-    torch.set_num_threads(len(cores))
 
 
 if __name__ == "__main__":
