@@ -52,3 +52,14 @@ def test_bad_config_is_one_clear_line(tmp_path):
     assert p.returncode == 2
     assert p.stderr.strip().splitlines()[-1] == (f"tide.launch: error: {bad}: serve.max_num_seq: unknown key; "
                                                  "did you mean max_num_seqs?")
+
+
+def test_a_serving_process_stays_on_its_cores():
+    """In-process vLLM ignores VLLM_CPU_OMP_THREADS_BIND: the serving process must pin itself (one
+    OpenMP thread per serving core), or its team runs on the trainer's core too."""
+    code = ("import os, torch; from tide.config import load_config; from tide.launch import bind_serving; "
+            "bind_serving(load_config('configs/ci.yaml')); "
+            "print(sorted(os.sched_getaffinity(0)), torch.get_num_threads(), os.environ['VLLM_ENABLE_V1_MULTIPROCESSING'])")
+    p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert p.stdout.split() == ["[0]", "1", "0"]

@@ -70,7 +70,7 @@ def run_experiment(path: Path, out: Path, modes: tuple[str, ...] = ()) -> list[M
 
     cfg, spec, rc = load_experiment(path)
     modes = modes or rc.modes
-    bind_serving(cfg)
+    bind_serving(cfg)  # every mode, and the static draft's offline capture and training, on the serving cores
     target = RunLayout.open(cfg, out / "static").target
     requests = build_workload(spec, target.path, cfg.serve.max_model_len - spec.max_tokens - 8)
     log.info("replay: %d requests in %d phases, modes %s", len(requests), len(spec.phases), ", ".join(modes))
