@@ -130,6 +130,19 @@ def test_gate_decides_a_clear_case_early() -> None:
     assert d.action is SpecAction.DISABLE and "over 32 steps" in d.reason
 
 
+def test_gate_turns_off_a_useless_cheap_draft_inside_the_band() -> None:
+    """A draft that accepts nothing and costs 3% (break-even 1.03, inside the 5% band) is a sure
+    loss once the evidence is tight; a draft near break-even with the usual spread is not."""
+    cheap = LatencyProfile(((1, 0.068), (8, 0.068)), draft_step_s=0.002, gamma=1)  # break-even 1.03
+    gate = SpeculationGate(GateConfig(min_dwell_steps=0, min_dwell_s=0), cheap)
+    useless = lambda n: SpeculationObservation(n, 10.0, 1, live=hist(1.0, n, gamma=1))  # noqa: E731
+    assert gate.decide(useless(64)).action is SpecAction.STAY  # 4/64 wide: could still be 1.03
+    d = gate.decide(useless(256))
+    assert d.action is SpecAction.DISABLE and "standard errors" in d.reason
+    near = SpeculationGate(GateConfig(min_dwell_steps=0, min_dwell_s=0), cheap)
+    assert near.decide(SpeculationObservation(256, 10.0, 1, live=hist(1.01, 256, gamma=1))).action is SpecAction.STAY
+
+
 def test_gate_comes_back_on_from_a_held_out_estimate() -> None:
     gate = SpeculationGate(GateConfig(min_steps=100, min_dwell_steps=0, min_dwell_s=0, start_enabled=False), flat())
     o = lambda al: SpeculationObservation(1, 1.0, 4, estimate_al=al)  # noqa: E731

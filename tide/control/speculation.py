@@ -96,7 +96,9 @@ class GateConfig:
     from `early_steps` on, an AL more than `z` standard errors beyond the bar decides (an untrained
     draft at AL 1.0 against a bar of 1.9 is off after 32 steps, not after 256 slow ones). No switch
     within `min_dwell_steps` engine steps AND `min_dwell_s` seconds of the last one, so an AL
-    hovering at the bar cannot flap.
+    hovering at the bar cannot flap. Inside the band, a live AL `z` standard errors below break-even
+    also turns speculation off: a cheap draft that accepts nothing (K = 1 on a CPU: break-even 1.03)
+    would otherwise cost its 3% for ever.
     """
 
     margin_off: float = 0.05
@@ -177,13 +179,17 @@ class SpeculationGate:
                 why = f"{src} AL over {steps} < {cfg.min_steps} steps: not enough evidence ({where})"
                 return Decision(SpecAction.STAY, why)
         speedup = f"predicted {self.profile.predicted_speedup(al, b):.2f}x"
-        if self.enabled and al >= bar:
+        certain_loss = self.enabled and al < need and _clear(hist, need, cfg.z)
+        if self.enabled and al >= bar and not certain_loss:
             return Decision(SpecAction.STAY, f"live AL {al:.2f} >= {bar:.2f} (off bar, {where}; {speedup})")
         if not self.enabled and al <= bar:
             return Decision(SpecAction.STAY, f"estimated AL {al:.2f} <= {bar:.2f} (on bar, {where}; {speedup})")
         cmp, sign = ("<", "-") if self.enabled else (">", "+")
         margin = cfg.margin_off if self.enabled else cfg.margin_on
-        why = f"{src} AL {al:.2f} {cmp} {bar:.2f} = (1 {sign} {margin:.2f}) x {where} over {steps} steps ({speedup})"
+        if self.enabled and al >= bar:  # inside the band, but surely below break-even: a loss, however small
+            why = f"live AL {al:.2f} < {where} by more than {cfg.z:g} standard errors over {steps} steps ({speedup})"
+        else:
+            why = f"{src} AL {al:.2f} {cmp} {bar:.2f} = (1 {sign} {margin:.2f}) x {where} over {steps} steps ({speedup})"
         dwell_steps, dwell_s = obs.step - self._since[0], obs.time_s - self._since[1]
         if dwell_steps < cfg.min_dwell_steps or dwell_s < cfg.min_dwell_s:
             return Decision(SpecAction.STAY, f"{why}, but only {dwell_steps} steps / {dwell_s:.1f} s since the "
@@ -193,9 +199,11 @@ class SpeculationGate:
 
 
 def _clear(hist: AcceptanceHistogram | None, bar: float, z: float) -> bool:
-    """The AL is more than `z` standard errors from `bar` (per-step std from the histogram, at least 0.5)."""
+    """The AL is more than `z` standard errors from `bar`. The per-step variance comes from the
+    histogram, at least 1/steps (a pseudo-observation), so that n steps that all accepted the same
+    count, e.g. the zero drafts of an untrained head, still leave a bound about 1/n wide."""
     if hist is None or hist.steps < 2:
         return False
-    al = hist.acceptance_length
-    var = sum(c * (1 + k - al) ** 2 for k, c in enumerate(hist.counts)) / (hist.steps - 1)
-    return abs(al - bar) > z * max(var, 0.25) ** 0.5 / hist.steps ** 0.5
+    al, n = hist.acceptance_length, hist.steps
+    var = sum(c * (1 + k - al) ** 2 for k, c in enumerate(hist.counts)) / (n - 1)
+    return abs(al - bar) > z * (max(var, 1 / n) / n) ** 0.5
