@@ -23,7 +23,7 @@ from torch import nn
 
 from tide.config import TideConfig, TrainConfig
 from tide.draft import DraftRegistry, Eagle3Draft, init_draft, load_draft, set_vocab, target_heads
-from tide.store import ChunkMeta, ChunkReader, Run, bf16_to_u16
+from tide.store import ChunkMeta, ChunkReader, Run, bf16_to_u16, is_eval
 from tide.target import Target
 from tide.train.data import Batch, Sequence, batches, sequences
 from tide.train.objective import simulate_acceptance, ttt_loss
@@ -186,8 +186,9 @@ class DraftTrainer:
         t_start, recompute_s = time.time(), self.recompute_s
         cfg = self.cfg
         chunks = self.reader.list_chunks(window_tokens, since_ns)
-        train, held = (sequences(self._signals(self.reader.load(window_tokens, split, self.eval_fraction, since_ns)),
-                                 cfg.seq_len) for split in ("train", "eval"))
+        runs = self._signals(self.reader.load(window_tokens, since_ns=since_ns))  # read and verified once
+        train, held = (sequences([r for r in runs if is_eval(r.request_id, self.eval_fraction) == e], cfg.seq_len)
+                       for e in (False, True))
         if not train or not held:
             log.warning("trainer: not enough data (%d train / %d eval sequences)", len(train), len(held))
             return None
