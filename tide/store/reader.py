@@ -48,8 +48,8 @@ class ChunkReader:
         are older than `since_ns`."""
         out, total = [], 0
         for path in sorted(self.root.glob(f"*{SUFFIX}"), key=lambda p: p.name, reverse=True):
-            if chunk_time_ns(path) < since_ns:
-                break
+            if chunk_time_ns(path) < since_ns:  # by name only (a stray file must not end the listing)
+                continue
             try:
                 n = read_header(path, self.expect)[1]
             except ChunkError as e:
