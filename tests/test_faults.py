@@ -42,7 +42,7 @@ from tide.store import ChunkMeta, ChunkReader, ChunkWriter, Run
 from tide.slurm import JobSpec, SlurmError, load_slurm_config
 
 ROOT = Path(__file__).resolve().parents[1]
-RUN_WAIT_S = 600  # > ci.yaml's srun_timeout_s (420 s) + 30 s to KILL
+RUN_WAIT_S = 540  # > ci.yaml's srun_timeout_s (480 s) + 30 s to KILL
 BAD_FRAMES = [
     msgpack.packb({"protocol": PROTOCOL, "type": "Gossip", "text": "hi"}),  # a kind from a newer release
     msgpack.packb({"protocol": PROTOCOL + 1, "type": "Heartbeat", "role": "trainer", "rank": 1, "t": 0.0}),
@@ -194,10 +194,12 @@ def test_a_trainer_killed_mid_training_degrades_training_not_serving(cluster: di
                                                                       tmp_path: Path) -> None:
     """SIGKILL to the training rank while rank 0 shows its steps (a cycle of 2000 steps: far from done).
     The job completes (serving decides), the log and summary.json say training is degraded, every
-    request is served, by v0: the last good draft. (Policy `always` keeps speculation on, so serving
-    lasts well beyond the kill and the heartbeat timeout.)"""
+    request is served, by v0: the last good draft. Serving goes on until 16 requests after the
+    trainer was marked down, however long the trainer took to start its steps."""
+    until = {"event": "trainer-down", "event_requests": 16, "max_s": 300}
     job, _, out = submit_run(tmp_path, control={"policy": "always"}, runtime={"trainer_timeout_s": 5.0},
-                             train={"max_steps": 2000}, workload={"max_tokens": 64, "nospec_baseline": False})
+                             train={"max_steps": 2000},
+                             workload={"max_tokens": 64, "nospec_baseline": False, "until": until})
     wait_for_line(job.stderr, r"^0: .* train c1 [1-9]\d*/2000 ", 300)
     os.kill(rank_pid(out, 1), signal.SIGKILL)
     assert slurm.wait(job, RUN_WAIT_S).state == "COMPLETED"
@@ -208,7 +210,8 @@ def test_a_trainer_killed_mid_training_degrades_training_not_serving(cluster: di
     s, reqs = run_results(out)
     kinds = [e["kind"] for e in s["events"]]
     assert s["training"] == "degraded" and "swap" not in kinds, s["events"]
-    assert len(reqs) == s["requests"] == 128 and {r["draft_version"] for r in reqs} == {0}
+    assert len(reqs) == s["requests"] >= 128 and {r["draft_version"] for r in reqs} == {0}
+    assert s["workload"][0]["until_met"], s["workload"]
     assert DraftRegistry(out / "drafts").latest() == 0
 
 

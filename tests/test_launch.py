@@ -41,6 +41,7 @@ def test_a_trained_draft_was_deployed_and_helped(run):
     assert s["swaps"] >= 1 and max(s["versions"]) >= 1
     assert (out / "drafts" / "v1" / "model.safetensors").exists()
     assert s["al_end"] > s["al_start"] + 0.1, (s["al_start"], s["al_end"])
+    assert s["workload"][0]["until_met"] and s["serving"]["engine_core"] == "in-process", (s["workload"], s["serving"])
     assert any(f.suffix == ".h5" for f in (out / "store").iterdir())
 
 
@@ -58,7 +59,7 @@ def test_a_serving_process_stays_on_its_cores():
     """In-process vLLM ignores VLLM_CPU_OMP_THREADS_BIND: the serving process must pin itself (one
     OpenMP thread per serving core), or its team runs on the trainer's core too."""
     code = ("import os, torch; from tide.config import load_config; from tide.launch import bind_serving; "
-            "bind_serving(load_config('configs/ci.yaml')); "
+            "bind_serving(load_config('configs/ci.yaml').runtime.serve_cores); "
             "print(sorted(os.sched_getaffinity(0)), torch.get_num_threads(), os.environ['VLLM_ENABLE_V1_MULTIPROCESSING'])")
     p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr[-2000:]

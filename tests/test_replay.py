@@ -28,7 +28,8 @@ def test_every_mode_served_every_phase(replay):
     assert list(s["modes"]) == ["nospec", "static", "tide", "tide-always", "tide-recompute"]
     for name, m in s["modes"].items():
         for phase in ("code", "translation"):
-            assert m["phases"][phase]["requests"] == 32 and m["phases"][phase]["tokens"] > 0, (name, phase)
+            served = m["phases"][phase]["requests"]  # a learning mode serves translation on until a cycle came back
+            assert (served >= 32 if name.startswith("tide") else served == 32) and m["phases"][phase]["tokens"] > 0
         assert m["speedup_vs_nospec"] > 0
     for f in ("report.md", "windows.jsonl", "acceptance.png", "throughput.png"):
         assert (out / f).stat().st_size > 0, f

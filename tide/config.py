@@ -92,6 +92,34 @@ class ServeConfig:
 
 
 @dataclass(frozen=True)
+class UntilConfig:
+    """Serve on until the loop has done something, instead of for a fixed number of requests.
+
+    A run that must show a deployed draft (a test, a demo) or last an hour (a soak) then does not
+    depend on how fast the trainer is that day: after the requests as given, their prompts are served
+    again (ids `ID~k`) until every condition given holds, or `max_s` seconds have passed since they
+    started. Only where something learns (a trainer, a policy other than frozen); empty: served once.
+    """
+
+    trained_requests: int = 0  # requests served with speculation on by a draft deployed in this run (phase)
+    event: str = ""  # a kind of events.json (trained, deploy, trainer-down, ...) that must have happened ...
+    event_requests: int = 0  # ... and this many requests finished after it
+    max_s: float = 0.0  # seconds; required when a condition is given, alone it is the run's length
+
+    def __post_init__(self) -> None:
+        if min(self.trained_requests, self.event_requests) < 0 or self.max_s < 0:
+            raise ValueError("trained_requests, event_requests, max_s: must be >= 0")
+        if self.event_requests and not self.event:
+            raise ValueError("event_requests: counts requests after `event`; give the event too")
+        if (self.trained_requests or self.event) and not self.max_s:
+            raise ValueError("max_s: required with a condition (> 0 seconds), so that the run always ends")
+
+    @property
+    def active(self) -> bool:
+        return self.max_s > 0
+
+
+@dataclass(frozen=True)
 class WorkloadConfig:
     """What the embedded default serves."""
 
@@ -103,6 +131,7 @@ class WorkloadConfig:
     concurrency: int = 1
     seed: int = 0
     nospec_baseline: bool = True  # also serve the last fifth of the prompts without speculation
+    until: UntilConfig = field(default_factory=UntilConfig)  # serve on until the loop did this
 
 
 @dataclass(frozen=True)

@@ -57,30 +57,32 @@ def local_trainer(config: Path, out: Path, cores: str) -> Iterator["SocketTransp
         transport.close()
 
 
-def bind_cores(spec: str) -> None:
+def bind_cores(spec: str, threads: int = 0) -> None:
     """Pin this process (and the threads it starts) to `spec` cores, e.g. '1' or '0,2-3', with one
-    OpenMP thread per core."""
+    OpenMP thread per core; without `spec`, only use `threads` threads (0: torch's default)."""
+    import torch
+
+    if not spec:
+        if threads > 0:
+            torch.set_num_threads(threads)
+        return
     cores: set[int] = set()
     for part in spec.split(","):
         a, _, b = part.partition("-")
         cores.update(range(int(a), int(b or a) + 1))
     os.sched_setaffinity(0, cores)
-    import torch
-
     torch.set_num_threads(len(cores))
 
 
-def bind_serving(cfg: TideConfig) -> None:
-    """This process serves on the serving cores (the trainer gets the others), with vLLM's engine
-    core in-process (uniproc executor): with vLLM's default engine-core process next to a worker
-    process, the core busy-waits on the worker and takes a second CPU core, the trainer's. In-process,
-    vLLM ignores VLLM_CPU_OMP_THREADS_BIND (only its multiprocessing executor applies it), so the
-    process pins itself; unpinned, its OpenMP team spreads over every core and a busy trainer core
-    stalls each step. Only for a process that serves and nothing else: vLLM's process groups then
-    live in this process."""
+def bind_serving(cores: str, threads: int = 0) -> None:
+    """This process serves on `cores` (see `bind_cores`), with vLLM's engine core in-process (uniproc
+    executor): with vLLM's default engine-core process next to a worker process, the core busy-waits
+    on the worker and takes a second CPU core, the trainer's. In-process, vLLM ignores
+    VLLM_CPU_OMP_THREADS_BIND (only its multiprocessing executor applies it), so the process pins
+    itself; unpinned, its OpenMP team spreads over every core and a busy trainer core stalls each
+    step. Only for a process that serves and nothing else: vLLM's process groups then live in it."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    if cfg.runtime.serve_cores:
-        bind_cores(cfg.runtime.serve_cores)
+    bind_cores(cores, threads)
 
 
 def run_local(cfg: TideConfig, config: Path, out: Path) -> dict:
@@ -88,7 +90,7 @@ def run_local(cfg: TideConfig, config: Path, out: Path) -> dict:
     from tide.runtime.serve_role import run_coordinator
 
     run = RunLayout.open(cfg, out)
-    bind_serving(cfg)
+    bind_serving(cfg.runtime.serve_cores)
     with local_trainer(config, out, cfg.runtime.train_cores) as transport:
         return run_coordinator(cfg, run, transport, trainer_ranks=[1])
 

@@ -125,7 +125,6 @@ EOF
 cat >"$STATE/etc/task_prolog.sh" <<EOF
 #!/bin/sh
 echo "export OMPI_MCA_btl_vader_backing_directory=${STATE}/tmp/\$SLURMD_NODENAME"
-case \$SLURMD_NODENAME in n2 | n3) echo "export OMP_NUM_THREADS=1" ;; esac  # gpu_train
 EOF
 chmod 755 "$STATE/etc/task_prolog.sh"
 

@@ -38,7 +38,7 @@ def mode_summary(m: ModeRun, phases: list[str]) -> dict[str, Any]:
         "versions_deployed": [e.version for e in m.events if e.kind == "deploy"],
         "rollbacks": sum(e.kind == "rollback" for e in m.events),
         "training_wall_s": sum(e.data.get("wall_s", 0.0) for e in trained), "training_cycles": len(trained),
-        "bytes_stored": stored, "wall_s": m.windows[-1].t_end if m.windows else 0.0,
+        "bytes_stored": stored, "wall_s": m.windows[-1].t_end if m.windows else 0.0, "workload": m.workload,
     }
 
 

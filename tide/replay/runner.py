@@ -26,6 +26,7 @@ from tide.layout import RunLayout
 from tide.replay.prompts import load_prompts
 from tide.replay.workload import WorkloadSpec, build_workload, chat_ids, load_workload
 from tide.serve.engine import Request, RequestResult, TideEngine, Window
+from tide.workload import Segment
 
 log = logging.getLogger(__name__)
 MODES = ("nospec", "static", "tide", "tide-always", "tide-recompute")
@@ -54,6 +55,7 @@ class ModeRun:
     windows: list[Window]
     events: list[Any] = field(default_factory=list)
     store: Path | None = None
+    workload: list[dict[str, Any]] = field(default_factory=list)  # per phase: passes, `until` met
 
 
 def load_experiment(path: Path) -> tuple[TideConfig, WorkloadSpec, ReplayConfig]:
@@ -70,7 +72,7 @@ def run_experiment(path: Path, out: Path, modes: tuple[str, ...] = ()) -> list[M
 
     cfg, spec, rc = load_experiment(path)
     modes = modes or rc.modes
-    bind_serving(cfg)  # every mode, and the static draft's offline capture and training, on the serving cores
+    bind_serving(cfg.runtime.serve_cores)  # every mode, and the static draft's offline capture and training, on the serving cores
     target = RunLayout.open(cfg, out / "static").target
     requests = build_workload(spec, target.path, cfg.serve.max_model_len - spec.max_tokens - 8)
     log.info("replay: %d requests in %d phases, modes %s", len(requests), len(spec.phases), ", ".join(modes))
@@ -108,10 +110,13 @@ def run_mode(cfg: TideConfig, mode: str, spec: WorkloadSpec, requests: list[Requ
         finally:
             eng.close()
         return ModeRun(mode, results, windows)
+    segments = [Segment([r for r in requests if r.workload == p.name], p.until) for p in spec.phases]
     if mode == "static":
-        return ModeRun(mode, *serve(mcfg, run, requests, None, [], concurrency))
+        s = serve(mcfg, run, segments, None, [], concurrency)
+        return ModeRun(mode, s.results, s.windows, s.events, workload=s.workload)
     with local_trainer(config, out, mcfg.runtime.train_cores) as transport:
-        return ModeRun(mode, *serve(mcfg, run, requests, transport, [1], concurrency), store=run.store)
+        s = serve(mcfg, run, segments, transport, [1], concurrency)
+    return ModeRun(mode, s.results, s.windows, s.events, store=run.store, workload=s.workload)
 
 
 def train_static(cfg: TideConfig, spec: WorkloadSpec, rc: ReplayConfig, out: Path, requests: list[Request]) -> Path:

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
-from tide.config import ConfigError, from_dict
+from tide.config import ConfigError, UntilConfig, from_dict
 from tide.replay.arrivals import Arrivals, schedule
 from tide.replay.prompts import WorkloadError, check_dataset, load_prompts
 
@@ -37,6 +37,7 @@ class Phase:
     path: str = ""  # file (relative to the current directory) or hf:OWNER/NAME[:CONFIG][@SPLIT]
     num_prompts: int | None = None
     duration_s: float | None = None
+    until: UntilConfig = UntilConfig()  # where something learns: served on until the loop did this (docs/replay.md)
 
     def __post_init__(self) -> None:
         if not self.name.strip():

@@ -19,6 +19,13 @@ from tide.config import ConfigError, load_config
 from tide.layout import RunLayout
 
 
+def slurm_cpus(group: int) -> int:
+    """CPUs per task of het group `group` (a het step sets only SLURM_CPUS_PER_TASK_HET_GROUP_<i>);
+    0 when Slurm says nothing. A rank runs that many threads and leaves the binding to Slurm."""
+    value = os.environ.get(f"SLURM_CPUS_PER_TASK_HET_GROUP_{group}") or os.environ.get("SLURM_CPUS_PER_TASK", "")
+    return int(value) if value.isdigit() else 0
+
+
 def het_layout(rank: int, size: int) -> tuple[int, int]:
     """(ranks in component 0, ranks in component 1). Slurm names no component in a het step's
     environment: derive it from SLURM_NTASKS_HET_GROUP_0 (one component: rank 0 serves, rest train)."""
@@ -63,24 +70,24 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, ValueError) as e:
         print(f"tide.runtime: error: {e}", file=sys.stderr)
         return 2
-    if args.cores:
-        from tide.launch import bind_cores
-
-        bind_cores(args.cores)
+    from tide.launch import bind_cores, bind_serving
     from tide.runtime.trainer_role import run_trainer
     from tide.runtime.transport import MPITransport, SocketTransport
 
     if args.fd is not None:
+        bind_cores(args.cores)
         run_trainer(cfg, run, SocketTransport(socket.socket(fileno=args.fd), rank=1, peer=0))
         return 0
     transport = MPITransport()
     n0, n1 = het_layout(transport.rank, transport.size)
     if transport.rank >= n0:
+        bind_cores(args.cores, slurm_cpus(1))
         trainer_group_env(transport.comm, n0)
         run_trainer(cfg, run, transport)
     elif transport.rank == 0:
         from tide.runtime.serve_role import run_coordinator
 
+        bind_serving(args.cores, slurm_cpus(0))
         run_coordinator(cfg, run, transport, list(range(n0, n0 + n1)))
     else:
         logging.getLogger(__name__).warning("rank %d: only rank 0 serves in this version; idle", transport.rank)

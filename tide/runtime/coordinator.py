@@ -53,11 +53,12 @@ class Coordinator:
         self.events: list[Event] = []
         self.eval_al: dict[int, float] = {engine.version: float("nan")}
         self.cycle = 0
-        self.progress: TrainProgress | None = None
+        self.in_flight: tuple[int, float] | None = None  # (cycle, when asked) until its answer comes
+        self.progress: TrainProgress | None = None  # of the cycle in flight
         self.trainer_seen = time.time()
         self.trainer_alive = bool(trainer_ranks)
-        self._stored = 0
         self._since_ns = 0  # when the current collection started
+        self._counted = 0  # rows stored since then, as last counted
         self._t0 = time.perf_counter()
         self._last_poll = 0.0
         self._swapped_in_window = False
@@ -73,7 +74,7 @@ class Coordinator:
 
     def _apply(self, d: Decision) -> None:
         if d.action is CollectAction.COLLECT:
-            self._since_ns = time.time_ns()  # the writer names chunks by this clock (same host)
+            self._since_ns, self._counted = time.time_ns(), 0  # the writer names chunks by this clock (same host)
             self.engine.set_capture(True)
             self.record("collect", d.reason)
         elif d.action is CollectAction.TRAIN:
@@ -140,11 +141,12 @@ class Coordinator:
         evidence, self._swapped_in_window = not self._swapped_in_window and w.speculate, False
         if self.gate is not None:
             self._gate(w, evidence)
-        new = w.stored_tokens - self._stored
-        self._stored = w.stored_tokens
-        if new > 0 and self.trainer_alive:
-            d = self.collect.on_stored(new)
-            if d.action is not CollectAction.WAIT:
+        if self.collect.collecting and self.trainer_alive:
+            # counted exactly as the trainer will read: rows in chunks named since collection started
+            rows = self.engine.stored_since(self._since_ns)
+            new, self._counted = rows - self._counted, rows
+            d = self.collect.on_stored(new) if new > 0 else None
+            if d is not None and d.action is not CollectAction.WAIT:
                 self._apply(d)
         if evidence and self.rollback.watching:
             d = self.rollback.decide(AcceptanceHistogram(len(w.accept_counts) - 1, list(w.accept_counts)))
@@ -165,8 +167,11 @@ class Coordinator:
         for src, msg in self.transport.poll():
             if src in self.trainer_ranks:
                 self.trainer_seen, self.trainer_alive = time.time(), True
+            if isinstance(msg, (DraftReady, TrainFailed)) and self.in_flight and msg.cycle == self.in_flight[0]:
+                self.in_flight, self.progress = None, None
             if isinstance(msg, TrainProgress):
-                self.progress = msg
+                if self.in_flight and msg.cycle == self.in_flight[0]:
+                    self.progress = msg
             elif isinstance(msg, DraftReady):
                 self.record("trained", f"cycle {msg.cycle}: eval AL {msg.eval_al:.3f} (from {msg.base_al:.3f}) on "
                             f"{msg.train_tokens} tokens in {msg.wall_s:.0f} s", msg.version,
@@ -218,6 +223,7 @@ class Coordinator:
         reads): rows from before a shift would teach the draft the old workload and, in the eval split,
         hide whether it learned the new one."""
         self.cycle += 1
+        self.in_flight, self.progress = (self.cycle, time.time()), None
         for r in self.trainer_ranks:
             self.transport.send(r, Train(self.cycle, self.cfg.store.retention_tokens, self._since_ns,  # type: ignore[union-attr]
                                          self.engine.version, reason))
@@ -249,10 +255,24 @@ class Coordinator:
         self._live.clear()
         return True
 
+    def training_status(self) -> str:
+        """One phrase for the window log: what the trainer is doing, as far as the coordinator knows."""
+        if not self.trainer_alive:
+            return "trainer down" if self.trainer_ranks else "no trainer"
+        if self.in_flight is None:
+            return "trainer idle"
+        cycle, asked = self.in_flight
+        p = self.progress
+        if p is None:
+            return f"train c{cycle} asked {time.time() - asked:.0f} s ago"
+        if p.phase == "train":
+            return f"train c{cycle} {p.step}/{p.steps} loss {p.loss:.2f}"
+        return f"train c{cycle} {p.phase}"
+
     def _check_trainer(self) -> None:
         closed = getattr(self.transport, "closed", False)
         if self.trainer_alive and (closed or time.time() - self.trainer_seen > self.cfg.runtime.trainer_timeout_s):
-            self.trainer_alive = False
+            self.trainer_alive, self.in_flight, self.progress = False, None, None
             self.record("trainer-down", "trainer connection closed" if closed else
                         f"no heartbeat for {self.cfg.runtime.trainer_timeout_s:.0f} s: serving goes on with "
                         f"draft v{self.engine.version}")

@@ -14,7 +14,7 @@ from typing import Union
 
 import msgpack
 
-PROTOCOL = 2  # bump when a message changes incompatibly (2: Train.since_ns and base_version)
+PROTOCOL = 3  # bump when a message changes incompatibly
 
 
 @dataclass(frozen=True)
@@ -45,7 +45,10 @@ class Train:
 
 @dataclass(frozen=True)
 class TrainProgress:
+    """Where a cycle is: phase read (the chunks), eval (the base draft), train (step of steps) or publish."""
+
     cycle: int
+    phase: str
     step: int
     steps: int
     loss: float

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -12,9 +12,10 @@ from tide.config import TideConfig, to_dict
 from tide.draft import DraftRegistry, init_draft, save_draft
 from tide.layout import RunLayout
 from tide.report import plot_run, segment, write_json, write_jsonl
-from tide.runtime.coordinator import Coordinator
+from tide.runtime.coordinator import Coordinator, Event
 from tide.runtime.transport import Transport
 from tide.serve.engine import Request, RequestResult, TideEngine, Window
+from tide.workload import RequestSource, Segment, build_requests
 
 log = logging.getLogger(__name__)
 
@@ -33,13 +34,27 @@ def ensure_draft(cfg: TideConfig, run: RunLayout) -> int:
     return reg.latest()
 
 
-def serve(cfg: TideConfig, run: RunLayout, requests: list[Request], transport: Transport | None,
-          trainer_ranks: list[int], concurrency: int = 0) -> tuple[list[RequestResult], list[Window], list[Any]]:
+@dataclass
+class Served:
+    """What one serving run did: its requests, windows and decisions, and how it ran."""
+
+    results: list[RequestResult]
+    windows: list[Window]
+    events: list[Event]
+    requests: dict[str, Request]  # every request submitted, by id
+    workload: list[dict[str, Any]]  # per segment: passes and whether its `until` was met
+    process: dict[str, Any]  # the serving process: engine core placement, cores, threads
+
+
+def serve(cfg: TideConfig, run: RunLayout, segments: list[Segment], transport: Transport | None,
+          trainer_ranks: list[int], concurrency: int = 0) -> Served:
+    """Serve `segments` under a coordinator; windows, requests and events go to the run dir."""
     version = ensure_draft(cfg, run)
     engine = TideEngine(run.target, cfg.serve, run.drafts / f"v{version}", store_root=run.store,
                         chunk_tokens=cfg.store.chunk_tokens, retention_tokens=cfg.store.retention_tokens,
                         max_pending_chunks=cfg.store.max_pending_chunks, version=version, dtype=cfg.model.dtype)
     coord = Coordinator(cfg, engine, transport, trainer_ranks, drafts_root=str(run.drafts))
+    source = RequestSource(segments, coord.events, learning=bool(trainer_ranks) and cfg.control.policy != "frozen")
     coord.wait_for_trainer(cfg.runtime.trainer_start_timeout_s)
     coord.start()
     coord.serving_starts()
@@ -47,18 +62,20 @@ def serve(cfg: TideConfig, run: RunLayout, requests: list[Request], transport: T
 
     def show(w: Window) -> None:
         coord.on_window(w)
-        p = coord.progress
-        train = (f"train c{p.cycle} {p.step}/{p.steps} loss {p.loss:.2f}" if p and p.step < p.steps else
-                 "trainer idle" if coord.trainer_alive else "trainer down")
         al = f"{w.acceptance_length:.2f}" if sum(w.accept_counts) else " -  "
         log.info("[%5.0fs] AL %s  %6.1f tok/s  batch %.1f  draft v%d  spec %s  stored %6.1fk  %s", time.time() - t0,
                  al, w.tokens_per_s, w.mean_batch, w.draft_version, "on " if w.speculate else "off",
-                 w.stored_tokens / 1e3, train)
+                 w.stored_tokens / 1e3, coord.training_status())
+
+    def finished(r: RequestResult) -> None:
+        coord.on_result(r)
+        source.observe(r)
 
     try:
-        results, windows = engine.replay(requests, concurrency or cfg.workload.concurrency, cfg.runtime.window_s,
-                                         between_steps=coord.between_steps, on_window=show, on_result=coord.on_result)
+        results, windows = engine.replay(source, concurrency or cfg.workload.concurrency, cfg.runtime.window_s,
+                                         between_steps=coord.between_steps, on_window=show, on_result=finished)
         engine.flush()
+        process = engine.process_info()
     finally:
         if transport is not None:
             coord.shutdown("workload done")
@@ -66,7 +83,7 @@ def serve(cfg: TideConfig, run: RunLayout, requests: list[Request], transport: T
     write_jsonl(run.out / "windows.jsonl", (w.to_json() for w in windows))
     write_jsonl(run.out / "requests.jsonl", (r.to_json() for r in results))
     write_json(run.out / "events.json", [asdict(e) for e in coord.events])
-    return results, windows, coord.events
+    return Served(results, windows, coord.events, source.served, source.outcomes, process)
 
 
 def nospec_rate(cfg: TideConfig, run: RunLayout, requests: list[Request]) -> dict[str, float]:
@@ -80,9 +97,9 @@ def nospec_rate(cfg: TideConfig, run: RunLayout, requests: list[Request]) -> dic
     return segment(results)
 
 
-def summarize(cfg: TideConfig, run: RunLayout, results: list[RequestResult], windows: list[Window],
-              events: list[Any], nospec: dict[str, float] | None, tail: int) -> dict[str, Any]:
+def summarize(cfg: TideConfig, run: RunLayout, s: Served, nospec: dict[str, float] | None, tail: int) -> dict[str, Any]:
     """summary.json and the plot: start = the first `tail` requests, end = the last `tail`."""
+    results, windows, events = s.results, s.windows, s.events
     done = sorted(results, key=lambda r: r.finish)
     start, end = segment(done[:tail]), segment(done[-tail:])
     swaps = [e for e in events if e.kind == "swap"]
@@ -99,6 +116,7 @@ def summarize(cfg: TideConfig, run: RunLayout, results: list[RequestResult], win
         "speculation_on_fraction": spec_on_fraction(windows),
         "eval_al_deployed": next((e.data.get("eval_al") for e in reversed(events) if e.kind == "trained"
                                   and e.version == (swaps[-1].version if swaps else None)), None),
+        "workload": s.workload, "serving": s.process,
         "events": [asdict(e) for e in events], "config": to_dict(cfg),
     }
     write_json(run.out / "summary.json", summary)
@@ -121,13 +139,12 @@ def training_state(events: list[Any]) -> str:
 
 def run_coordinator(cfg: TideConfig, run: RunLayout, transport: Transport | None, trainer_ranks: list[int],
                     tail: int = 0) -> dict[str, Any]:
-    """Rank 0's whole job: serve the configured workload, measure the no-speculation baseline on
-    the last `tail` prompts, and write summary.json, windows/requests JSONL, events and the plot."""
-    from tide.workload import build_requests
-
+    """Rank 0's whole job: serve the configured workload (on until `workload.until` holds), measure
+    the no-speculation baseline on the last `tail` requests (a fifth by default), and write
+    summary.json, windows/requests JSONL, events and the plot."""
     requests = build_requests(cfg.workload, run.target.path, cfg.serve.max_model_len - cfg.workload.max_tokens - 8)
-    tail = tail or max(1, len(requests) // 5)
-    results, windows, events = serve(cfg, run, requests, transport, trainer_ranks)
-    last = {r.request_id for r in sorted(results, key=lambda r: r.finish)[-tail:]}
-    nospec = nospec_rate(cfg, run, [r for r in requests if r.request_id in last]) if cfg.workload.nospec_baseline else None
-    return summarize(cfg, run, results, windows, events, nospec, tail)
+    served = serve(cfg, run, [Segment(requests, cfg.workload.until)], transport, trainer_ranks)
+    tail = tail or max(1, len(served.results) // 5)
+    last = [served.requests[r.request_id] for r in sorted(served.results, key=lambda r: r.finish)[-tail:]]
+    nospec = nospec_rate(cfg, run, last) if cfg.workload.nospec_baseline else None
+    return summarize(cfg, run, served, nospec, tail)

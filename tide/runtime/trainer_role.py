@@ -19,6 +19,7 @@ from tide.runtime.messages import DraftReady, Heartbeat, Shutdown, Train, TrainF
 from tide.runtime.transport import Transport
 
 log = logging.getLogger(__name__)
+PROGRESS_S = 1.0  # at most one TrainProgress a second while training steps run
 
 
 def run_trainer(cfg: TideConfig, run: RunLayout, transport: Transport, coordinator: int = 0) -> None:
@@ -57,10 +58,15 @@ def _heartbeat(transport: Transport, coordinator: int, period_s: float, stop: th
 
 def _cycle(trainer, msg: Train, transport: Transport, coordinator: int, leader: bool) -> None:
     log.info("trainer: cycle %d (%s)", msg.cycle, msg.reason)
+    last = {"phase": "", "t": 0.0}
 
     def progress(p: dict) -> None:
-        if p["step"] % 10 == 0 or p["step"] == p["steps"]:
-            transport.send(coordinator, TrainProgress(msg.cycle, p["step"], p["steps"], p["loss"], p["tokens_per_s"]))
+        """Every phase change, the last step, and a training step at most every PROGRESS_S."""
+        now = time.monotonic()
+        if p["phase"] != last["phase"] or p["step"] == p["steps"] or now - last["t"] >= PROGRESS_S:
+            last.update(phase=p["phase"], t=now)
+            transport.send(coordinator, TrainProgress(msg.cycle, p["phase"], p["step"], p["steps"], p["loss"],
+                                                      p["tokens_per_s"]))
 
     try:
         r = trainer.cycle(msg.window_tokens or None, msg.since_ns, msg.base_version if msg.base_version >= 0 else None,

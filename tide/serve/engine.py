@@ -13,7 +13,7 @@ import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 from tide.config import ServeConfig
 from tide.metrics import AcceptanceHistogram
@@ -143,8 +143,22 @@ class TideEngine:
             return dict(accept_counts=[0], steps=0, writer={})
         return self.rpc("tide_stats", reset)
 
+    def stored_since(self, since_ns: int) -> int:
+        """Rows on disk in this engine's chunks named from `since_ns` on: what a trainer told to read
+        chunks since then will find of them."""
+        return int(self.rpc("tide_stored_since", int(since_ns))) if self.speculative else 0
+
     def flush(self) -> dict[str, int]:
         return self.rpc("tide_flush") if self.speculative else {}
+
+    def process_info(self) -> dict[str, Any]:
+        """Where this engine runs: vLLM's engine core in this process or its own, and this process's
+        cores and threads (a second engine-core process busy-waits on a core of its own)."""
+        import torch
+
+        inproc = type(self.engine.engine_core).__name__ == "InprocClient"
+        return {"engine_core": "in-process" if inproc else "own process", "pid": os.getpid(),
+                "cores": sorted(os.sched_getaffinity(0)), "threads": torch.get_num_threads()}
 
     def close(self) -> None:
         if self.speculative:
@@ -243,29 +257,32 @@ class TideEngine:
                 speculate=self.speculate, captured_rows=i.get("rows", 0)))
         return results
 
-    def replay(self, requests: list[Request], concurrency: int = 1, window_s: float = 10.0,
+    def replay(self, requests: Iterable[Request], concurrency: int = 1, window_s: float = 10.0,
                between_steps: Callable[["TideEngine", float], None] | None = None,
                on_window: Callable[[Window], None] | None = None,
                on_result: Callable[[RequestResult], None] | None = None) -> tuple[list[RequestResult], list[Window]]:
-        """Serve `requests`: timed ones at their arrival, the rest as a closed loop of `concurrency`.
+        """Serve `requests` (in arrival order; read lazily): timed ones at their arrival, the rest as a
+        closed loop of `concurrency`.
 
         `between_steps(engine, t)` runs between two engine steps (where swaps and switches are safe);
         `on_window` gets each closed time window, `on_result` each finished request.
         """
         t_start = time.perf_counter()
         now = lambda: time.perf_counter() - t_start  # noqa: E731
-        queue = sorted(requests, key=lambda r: (r.arrival is None, r.arrival or 0.0))
+        source = iter(requests)
+        nxt = next(source, None)
         results: list[RequestResult] = []
         windows: list[Window] = []
         win = _WindowAcc(0.0)
         self.stats(reset=True)
-        while queue or self._live:
+        while nxt is not None or self._live:
             t = now()
-            while queue and (queue[0].arrival is not None and queue[0].arrival <= t
-                             or queue[0].arrival is None and len(self._live) < concurrency):
-                self.submit(queue.pop(0), t)
+            while nxt is not None and (nxt.arrival is not None and nxt.arrival <= t
+                                       or nxt.arrival is None and len(self._live) < concurrency):
+                self.submit(nxt, t)
+                nxt = next(source, None)
             if not self._live:  # idle until the next timed arrival
-                time.sleep(max(0.0, min(queue[0].arrival - t, 0.05)) if queue else 0)
+                time.sleep(max(0.0, min(nxt.arrival - t, 0.05)) if nxt is not None and nxt.arrival else 0)
                 continue
             tokens, batch, done = self.step(now)
             results += done
@@ -274,7 +291,7 @@ class TideEngine:
             win.add(tokens, batch)
             if between_steps:
                 between_steps(self, now())
-            if now() - win.t_start >= window_s or not (queue or self._live):
+            if now() - win.t_start >= window_s or not (nxt is not None or self._live):
                 windows.append(win.close(now(), self))
                 if on_window:
                     on_window(windows[-1])

@@ -180,6 +180,10 @@ class TideWorkerExtension:
             st.hist = AcceptanceHistogram(st.gamma)
         return s
 
+    def tide_stored_since(self, since_ns: int) -> int:
+        """Rows this worker's writer has on disk in chunks named from `since_ns` on."""
+        return self._tide.writer.tokens_since(int(since_ns)) if self._tide.writer is not None else 0
+
     def tide_flush(self) -> dict[str, int]:
         """Write whatever the chunk writer buffers (a partial chunk) and wait for it."""
         if self._tide.writer is None:

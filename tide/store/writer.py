@@ -19,8 +19,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from tide.store.chunk import (SUFFIX, ChunkError, ChunkMeta, Run, check_run, chunk_name, read_header,
-                              write_chunk)
+from tide.store.chunk import (SUFFIX, ChunkError, ChunkMeta, Run, check_run, chunk_name, chunk_time_ns,
+                              read_header, write_chunk)
 
 log = logging.getLogger(__name__)
 FULL = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM}  # errnos that pause capture
@@ -56,6 +56,7 @@ class ChunkWriter:
         self._paused_until = 0.0  # time.monotonic() before which runs are dropped (store full)
         self._stats = dict(files=0, tokens=0, bytes=0, dropped_tokens=0, errors=0, deleted_files=0, pauses=0)
         self._index: dict[str, int] = {}  # file name -> num_tokens of the chunks in root
+        self._mine: dict[str, int] = {}  # the same for this writer's own chunks still on disk (under the lock)
         self._refresh_index()
         self._thread = threading.Thread(target=self._loop, name="tide-chunk-writer", daemon=True)
         self._thread.start()
@@ -113,6 +114,12 @@ class ChunkWriter:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    def tokens_since(self, since_ns: int) -> int:
+        """Rows in this writer's chunks on disk that were named at or after `since_ns` (time.time_ns()):
+        exactly what a reader with the same `since_ns` finds of them (`chunk_time_ns`)."""
+        with self._lock:
+            return sum(n for name, n in self._mine.items() if chunk_time_ns(Path(name)) >= since_ns)
+
     def stats(self) -> dict[str, int]:
         """Counters since start: files/tokens/bytes written, dropped_tokens, errors, deleted_files,
         pauses (of capture, on a full or unwritable store)."""
@@ -152,6 +159,7 @@ class ChunkWriter:
             self._stats["files"] += 1
             self._stats["tokens"] += n
             self._stats["bytes"] += size
+            self._mine[path.name] = n
         if resumed:
             log.warning("chunk writer: capture resumed (%s written)", path.name)
         self._index[path.name] = n
@@ -206,4 +214,5 @@ class ChunkWriter:
             return
         self._index.pop(name, None)
         with self._lock:
+            self._mine.pop(name, None)
             self._stats["deleted_files"] += 1

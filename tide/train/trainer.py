@@ -185,6 +185,8 @@ class DraftTrainer:
 
         t_start, recompute_s = time.time(), self.recompute_s
         cfg = self.cfg
+        report = _reporter(on_progress if self.rank == 0 else None)
+        report("read")
         chunks = self.reader.list_chunks(window_tokens, since_ns)
         runs = self._signals(self.reader.load(window_tokens, since_ns=since_ns))  # read and verified once
         train, held = (sequences([r for r in runs if is_eval(r.request_id, self.eval_fraction) == e], cfg.seq_len)
@@ -197,6 +199,7 @@ class DraftTrainer:
         coverage = rebuild_vocab(draft, train, head)
         device = torch.device(get_accelerator().device_name())
         eval_batches = batches(held, cfg.batch_tokens, cfg.gamma, shuffle=False)
+        report("eval")
         al_before = self._evaluate(draft, eval_batches, device)
 
         train_batches = batches(train, cfg.batch_tokens, cfg.ttt_depth, shuffle=True, seed=cfg.seed + base_version)
@@ -222,8 +225,7 @@ class DraftTrainer:
             rate = tokens / max(time.time() - t_train, 1e-9)
             bar.set_postfix(loss=f"{loss_v:.3f}", acc0=f"{accs[0]:.2f}", tok_s=f"{rate:.0f}", refresh=False)
             bar.update()
-            if on_progress and self.rank == 0:
-                on_progress(dict(step=step + 1, steps=total, loss=loss_v, tokens_per_s=rate))
+            report("train", step + 1, total, loss_v, rate)
         bar.close()
         train_s = time.time() - t_train
         trained = engine.module.draft
@@ -233,6 +235,7 @@ class DraftTrainer:
                              final_loss=loss_v, vocab_coverage=coverage, source_chunks=[p.name for p in chunks],
                              recompute_s=self.recompute_s - recompute_s, base_version=base_version)
         if self.rank == 0:
+            report("publish", total, total, loss_v)
             result.al_after = self._evaluate(trained, eval_batches, device)
             result.wall_s = time.time() - t_start
             result.version = self.registry.publish(trained.cpu(), result.to_json())
@@ -265,6 +268,16 @@ class DraftTrainer:
         hist = simulate_acceptance(draft, [b.to(device) for b in eval_batches], self.cfg.gamma)
         draft.train()
         return hist.acceptance_length
+
+
+def _reporter(on_progress: Callable[[dict[str, Any]], None] | None) -> Callable[..., None]:
+    """report(phase, step, steps, loss, tokens_per_s) -> on_progress(dict), or nothing without one."""
+
+    def report(phase: str, step: int = 0, steps: int = 0, loss: float = math.nan, tokens_per_s: float = 0.0) -> None:
+        if on_progress is not None:
+            on_progress(dict(phase=phase, step=step, steps=steps, loss=loss, tokens_per_s=tokens_per_s))
+
+    return report
 
 
 def _barrier() -> None:

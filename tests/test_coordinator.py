@@ -1,0 +1,166 @@
+"""The coordinator's decisions with a stand-in engine: no vLLM, a real chunk writer and reader.
+
+The engine is the one part mocked here (a vLLM start-up per case would cost minutes); what the
+coordinator reads from it, the rows on disk since a moment, comes from a real `ChunkWriter`, and
+every count is checked against what a `ChunkReader` told the same moment finds, as the trainer is.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tide.config import TideConfig, load_config
+from tide.control import LatencyProfile
+from tide.runtime.coordinator import Coordinator
+from tide.runtime.messages import DraftReady, Message, Train, TrainFailed, TrainProgress
+from tide.serve.engine import Window
+from tide.store import ChunkMeta, ChunkReader, ChunkWriter, Run
+
+ROOT = Path(__file__).resolve().parents[1]
+META = ChunkMeta("fake", "0" * 16, hidden_size=8, layer_ids=(1, 2, 3))
+CHUNK = 100
+
+
+class FakeEngine:
+    """The calls the coordinator makes of a TideEngine; capture writes real chunks."""
+
+    speculative = True
+
+    def __init__(self, store: Path, gamma: int = 3) -> None:
+        self.gamma, self.version, self.speculate, self.capture = gamma, 0, True, False
+        self.writer = ChunkWriter(store, META, chunk_tokens=CHUNK)
+        self.swaps: list[int] = []
+        self._n = 0
+
+    def set_capture(self, on: bool) -> None:
+        self.capture = on
+
+    def set_speculation(self, on: bool) -> None:
+        self.speculate = on
+
+    def swap(self, path: str, version: int) -> float:
+        self.version = version
+        self.swaps.append(version)
+        return 1.0
+
+    def stored_since(self, since_ns: int) -> int:
+        return self.writer.tokens_since(since_ns)
+
+    def profile(self, max_batch: int) -> LatencyProfile:
+        return LatencyProfile(((1, 0.03), (64, 0.03)), 0.002, self.gamma)
+
+    def serve_chunks(self, n: int) -> None:
+        """Finish requests whose rows fill `n` chunks, and wait until they are on disk."""
+        for _ in range(n):
+            self._n += 1
+            rows = np.zeros((CHUNK, META.row_dim), np.uint16)
+            self.writer.add(Run(f"r{self._n}", np.zeros(CHUNK, np.int32), np.arange(CHUNK, dtype=np.int32), rows,
+                                np.ones(CHUNK, bool)))
+        self.writer.flush()
+        time.sleep(0.002)  # a later since_ns is a later name
+
+
+class ListTransport:
+    """Messages to the trainer rank are kept; messages from it are queued by the test."""
+
+    rank = 0
+
+    def __init__(self) -> None:
+        self.sent: list[tuple[int, Message]] = []
+        self.inbox: list[tuple[int, Message]] = []
+
+    def send(self, dest: int, msg: Message) -> None:
+        self.sent.append((dest, msg))
+
+    def poll(self) -> list[tuple[int, Message]]:
+        out, self.inbox = self.inbox, []
+        return out
+
+    def close(self) -> None:
+        pass
+
+
+def config(policy: str) -> TideConfig:
+    cfg = load_config(ROOT / "configs" / "ci.yaml")
+    collect = dataclasses.replace(cfg.control.collect, n_threshold=250)
+    return dataclasses.replace(cfg, control=dataclasses.replace(cfg.control, policy=policy, collect=collect))
+
+
+def window(engine: FakeEngine) -> Window:
+    return Window(0.0, 1.0, 10, 5, 1.0, [5] + [0] * engine.gamma, engine.version, engine.speculate,
+                  engine.writer.stats()["tokens"])
+
+
+def trains(t: ListTransport) -> list[Train]:
+    return [m for _, m in t.sent if isinstance(m, Train)]
+
+
+def test_the_count_that_triggers_training_is_what_the_trainer_reads_also_after_a_deploy(tmp_path: Path) -> None:
+    """Rows written while a cycle trains belong to the collection before the deploy: the collection
+    started by the deploy counts (and its cycle reads) only chunks named after it."""
+    engine, transport = FakeEngine(tmp_path), ListTransport()
+    coord = Coordinator(config("always"), engine, transport, trainer_ranks=[1], drafts_root=str(tmp_path))
+    coord.start()
+    reader = ChunkReader(tmp_path, META)
+    engine.serve_chunks(3)
+    coord.on_window(window(engine))
+    (first,) = trains(transport)
+    assert sum(len(r) for r in reader.load(since_ns=first.since_ns)) == 300
+    engine.serve_chunks(2)  # while cycle 1 trains, in the window that will also see its draft deployed
+    transport.inbox.append((1, DraftReady(1, 1, "v1", 1.5, 1.0, 0, 300, 1.0)))
+    coord.between_steps(engine, 1.0)
+    assert engine.swaps == [1] and [e.kind for e in coord.events][-2:] == ["deploy", "collect"]
+    engine.serve_chunks(1)
+    coord.on_window(window(engine))
+    assert len(trains(transport)) == 1  # 100 new rows, not the 200 written while cycle 1 trained
+    engine.serve_chunks(2)
+    coord.on_window(window(engine))
+    second = trains(transport)[1]
+    assert second.since_ns > first.since_ns and "300/250 tokens" in second.reason
+    assert sum(len(r) for r in reader.load(since_ns=second.since_ns)) == 300
+    engine.writer.close()
+
+
+def test_policy_always_deploys_every_trained_draft_even_a_worse_one(tmp_path: Path) -> None:
+    engine, transport = FakeEngine(tmp_path), ListTransport()
+    coord = Coordinator(config("always"), engine, transport, trainer_ranks=[1], drafts_root=str(tmp_path))
+    coord.start()
+    engine.serve_chunks(3)
+    coord.on_window(window(engine))
+    transport.inbox.append((1, DraftReady(1, 1, "v1", 1.2, 1.9, 0, 300, 1.0)))  # worse than its base
+    coord.between_steps(engine, 1.0)
+    assert engine.version == 1 and engine.speculate and engine.capture
+    assert [e.kind for e in coord.events if e.kind in ("deploy", "reject")] == ["deploy"]
+    engine.writer.close()
+
+
+def test_the_window_line_says_where_a_cycle_is(tmp_path: Path) -> None:
+    engine, transport = FakeEngine(tmp_path), ListTransport()
+    coord = Coordinator(config("always"), engine, transport, trainer_ranks=[1], drafts_root=str(tmp_path))
+    coord.start()
+    assert coord.training_status() == "trainer idle"
+    engine.serve_chunks(3)
+    coord.on_window(window(engine))
+    assert coord.training_status().startswith("train c1 asked ")
+    for t, (msg, status) in enumerate([(TrainProgress(1, "read", 0, 0, float("nan"), 0.0), "train c1 read"),
+                        (TrainProgress(1, "train", 7, 60, 0.5, 100.0), "train c1 7/60 loss 0.50"),
+                        (TrainProgress(1, "publish", 60, 60, 0.4, 100.0), "train c1 publish"),
+                        (TrainFailed(1, "not enough stored data"), "trainer idle")], start=2):
+        transport.inbox.append((1, msg))
+        coord.between_steps(engine, float(t))
+        assert coord.training_status() == status
+    engine.writer.close()
+
+
+@pytest.mark.parametrize("policy", ["always", "adaptive"])
+def test_no_trainer_means_no_capture(tmp_path: Path, policy: str) -> None:
+    engine = FakeEngine(tmp_path)
+    coord = Coordinator(config(policy), engine, None, trainer_ranks=[], drafts_root=str(tmp_path))
+    coord.start()
+    assert not engine.capture and coord.training_status() == "no trainer"
+    engine.writer.close()

@@ -1,0 +1,104 @@
+"""The trainer role for real over both transports: a cycle's progress reaches the coordinator's side.
+
+A real `python -m tide.runtime` trainer (DeepSpeed, the tiny target) trains on a small store of
+chunks, once joined by a socket pair (`tide.launch`'s local trainer) and once as rank 1 of an
+`mpirun -np 2` world whose rank 0 plays the coordinator (the Slurm het job's transport).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from cluster.jobs import ci_config
+from tide.config import load_config
+from tide.layout import RunLayout
+from tide.runtime.messages import DraftReady, Heartbeat, Message, Shutdown, Train, TrainFailed, TrainProgress
+from tide.store import ChunkWriter, Run, bf16_to_u16
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def stored_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """(config, run dir) with 40 requests of random rows of the tiny target in the store."""
+    tmp = tmp_path_factory.mktemp("runtime")
+    config, out = ci_config(tmp / "ci.yaml", train={"max_steps": 30}), tmp / "run"
+    run = RunLayout.open(load_config(config), out)
+    g = torch.Generator().manual_seed(0)
+    vocab = run.target.config["vocab_size"]
+    with ChunkWriter(run.store, run.target.chunk_meta(), chunk_tokens=512) as w:
+        for i in range(40):
+            hidden = bf16_to_u16(torch.randn(64, 3 * run.target.hidden_size, generator=g))
+            tokens = torch.randint(3, vocab, (64,), generator=g).numpy().astype(np.int32)
+            w.add(Run(f"req-{i}", tokens, np.arange(64, dtype=np.int32), hidden, np.arange(64) >= 16))
+    return config, out
+
+
+def assert_progress_then_result(got: list[Message]) -> None:
+    """Every phase of the cycle, in order, with training steps up to the last, then the draft."""
+    progress = [m for m in got if isinstance(m, TrainProgress)]
+    phases = [p.phase for p in progress]
+    assert phases[:2] == ["read", "eval"] and phases[-1] == "publish", phases
+    steps = [p.step for p in progress if p.phase == "train"]
+    assert steps and steps == sorted(steps) and steps[-1] == 30 and all(p.cycle == 1 for p in progress), steps
+    assert isinstance(got[-1], DraftReady) and got[-1].version >= 1, got[-1]
+
+
+def test_progress_reaches_the_coordinator_over_the_socket(stored_run: tuple[Path, Path]) -> None:
+    from tide.launch import local_trainer
+
+    config, out = stored_run
+    got: list[Message] = []
+    with local_trainer(config, out, cores="") as transport:
+        deadline = time.monotonic() + 300
+        while not any(isinstance(m, Heartbeat) for m in got) and time.monotonic() < deadline:
+            got += [m for _, m in transport.poll(timeout=0.5)]
+        transport.send(1, Train(1, 0, 0, -1, "test"))
+        got = []
+        while not (got and isinstance(got[-1], (DraftReady, TrainFailed))) and time.monotonic() < deadline:
+            got += [m for _, m in transport.poll(timeout=0.5) if not isinstance(m, Heartbeat)]
+        transport.send(1, Shutdown("test done"))
+    assert_progress_then_result(got)
+
+
+MPI_COORDINATOR = """
+import json, sys, time
+from tide.runtime.messages import DraftReady, Heartbeat, Shutdown, Train, TrainFailed
+from tide.runtime.transport import MPITransport
+from mpi4py import MPI
+if MPI.COMM_WORLD.Get_rank() == 1:
+    from tide.runtime.__main__ import main
+    sys.exit(main(sys.argv[1:]))
+t, got, deadline = MPITransport(), [], time.monotonic() + 300
+while not got and time.monotonic() < deadline:
+    got = [m for _, m in t.poll() if isinstance(m, Heartbeat)]
+    time.sleep(0.05)
+t.send(1, Train(1, 0, 0, -1, "test"))
+got = []
+while not (got and isinstance(got[-1], (DraftReady, TrainFailed))) and time.monotonic() < deadline:
+    got += [m for _, m in t.poll() if not isinstance(m, Heartbeat)]
+    time.sleep(0.05)
+t.send(1, Shutdown("test done"))
+print("GOT " + json.dumps([[type(m).__name__, m.__dict__] for m in got]), flush=True)
+t.close()
+"""
+
+
+def test_progress_reaches_the_coordinator_over_mpi(stored_run: tuple[Path, Path]) -> None:
+    from tide.runtime import messages
+
+    config, out = stored_run
+    p = subprocess.run(["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", "2", sys.executable, "-c",
+                        MPI_COORDINATOR, "--config", str(config), "--out", str(out)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    (line,) = [x for x in p.stdout.splitlines() if x.startswith("GOT ")]
+    assert_progress_then_result([getattr(messages, kind)(**d) for kind, d in json.loads(line[4:])])
