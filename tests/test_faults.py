@@ -15,7 +15,6 @@ Filesystems are real: small tmpfs mounts (root only, like the test cluster).
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import signal
@@ -30,16 +29,16 @@ import msgpack
 import numpy as np
 import pytest
 
-from cluster.cluster import cluster  # noqa: F401 (a fixture)
 from cluster.jobs import ci_config, job_processes, rank_pid, run_results, wait_for_line
-from tide import slurm
+from tide.cluster import submit
 from tide.config import load_config
 from tide.draft import DraftRegistry
-from tide.layout import RunLayout
-from tide.runtime.messages import PROTOCOL, Heartbeat, encode
+from tide.store.layout import RunLayout
+from tide.runtime.messages import PROTOCOL, Heartbeat
 from tide.runtime.transport import SocketTransport
 from tide.store import ChunkMeta, ChunkReader, ChunkWriter, Run
-from tide.slurm import JobSpec, SlurmError, load_slurm_config
+from tide.cluster.script import JobSpec, load_slurm_config
+from tide.cluster.submit import SlurmError
 
 ROOT = Path(__file__).resolve().parents[1]
 RUN_WAIT_S = 540  # > ci.yaml's srun_timeout_s (480 s) + 30 s to KILL
@@ -182,10 +181,10 @@ def test_a_full_disk_pauses_capture_while_serving_goes_on(mount: Callable[..., P
 # ---- ranks dying on the test cluster ---------------------------------------------------------------
 
 
-def submit_run(tmp_path: Path, **sections: dict) -> tuple[slurm.Job, Path, Path]:
-    """TIDE from the rendered script (`python -m tide.slurm --executor sbatch`): job, config, run dir."""
+def submit_run(tmp_path: Path, **sections: dict) -> tuple[submit.Job, Path, Path]:
+    """TIDE from the rendered script (`python -m tide.cluster --executor sbatch`): job, config, run dir."""
     config, out = ci_config(tmp_path / "ci.yaml", **sections), tmp_path / "out"
-    return slurm.submit(JobSpec.for_runtime(load_slurm_config(config), config, out), "sbatch"), config, out
+    return submit.submit(JobSpec.for_runtime(load_slurm_config(config), config, out), "sbatch"), config, out
 
 
 @pytest.mark.slurm
@@ -202,7 +201,7 @@ def test_a_trainer_killed_mid_training_degrades_training_not_serving(cluster: di
                              workload={"max_tokens": 64, "nospec_baseline": False, "until": until})
     wait_for_line(job.stderr, r"^0: .* train c1 [1-9]\d*/2000 ", 300)
     os.kill(rank_pid(out, 1), signal.SIGKILL)
-    assert slurm.wait(job, RUN_WAIT_S).state == "COMPLETED"
+    assert submit.wait(job, RUN_WAIT_S).state == "COMPLETED"
     err = job.stderr.read_bytes().decode()
     assert "tide: training rank 1 exited 137: training degraded, serving goes on" in err
     down = err.index("decision: trainer-down")
@@ -226,7 +225,7 @@ def test_an_inference_rank_dying_ends_the_job_without_partial_chunks(cluster: di
     wait_for_line(job.stderr, r"^0: .* stored +(?!0\.0k)[0-9.]+k ", 300)
     os.kill(rank_pid(out, 0), signal.SIGKILL)
     with pytest.raises(SlurmError) as e:
-        slurm.wait(job, 120)
+        submit.wait(job, 120)
     assert e.value.state == "FAILED"
     assert "tide: serving rank 0 exited 137: stopping the job" in str(e.value)
     reader = ChunkReader(out / "store", expect=RunLayout.open(load_config(config), out).target.chunk_meta())

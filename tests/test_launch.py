@@ -58,7 +58,7 @@ def test_bad_config_is_one_clear_line(tmp_path):
 def test_a_serving_process_stays_on_its_cores():
     """In-process vLLM ignores VLLM_CPU_OMP_THREADS_BIND: the serving process must pin itself (one
     OpenMP thread per serving core), or its team runs on the trainer's core too."""
-    code = ("import os, torch; from tide.config import load_config; from tide.launch import bind_serving; "
+    code = ("import os, torch; from tide.config import load_config; from tide.runtime.processes import bind_serving; "
             "bind_serving(load_config('configs/ci.yaml').runtime.serve_cores); "
             "print(sorted(os.sched_getaffinity(0)), torch.get_num_threads(), os.environ['VLLM_ENABLE_V1_MULTIPROCESSING'])")
     p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)

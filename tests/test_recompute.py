@@ -3,9 +3,9 @@
 import torch
 from transformers import AutoModelForCausalLM
 
-from tide.recompute import Recompute
+from tide.train.recompute import Recompute
 from tide.store import ChunkReader, u16_to_bf16
-from tide.recompute import write_recomputed
+from tide.train.recompute import write_recomputed
 
 
 def test_rows_equal_a_direct_forward(tiny_target, tiny_requests):

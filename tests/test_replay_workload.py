@@ -13,9 +13,9 @@ import pytest
 import yaml
 
 from tide.config import ConfigError, WorkloadConfig
-from tide.replay import (Arrivals, Phase, WorkloadError, WorkloadSpec, build_workload, draw_requests, load_prompts,
+from tide.workload import (Arrivals, Phase, WorkloadError, WorkloadSpec, build_workload, draw_requests, load_prompts,
                          load_workload)
-from tide.replay.arrivals import schedule
+from tide.workload.arrivals import schedule
 from tide.workload import build_requests
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -19,7 +19,7 @@ import torch
 
 from cluster.jobs import ci_config
 from tide.config import load_config
-from tide.layout import RunLayout
+from tide.store.layout import RunLayout
 from tide.runtime.messages import DraftReady, Heartbeat, Message, Shutdown, Train, TrainFailed, TrainProgress
 from tide.store import ChunkWriter, Run, bf16_to_u16
 
@@ -53,7 +53,7 @@ def assert_progress_then_result(got: list[Message]) -> None:
 
 
 def test_progress_reaches_the_coordinator_over_the_socket(stored_run: tuple[Path, Path]) -> None:
-    from tide.launch import local_trainer
+    from tide.runtime.processes import local_trainer
 
     config, out = stored_run
     got: list[Message] = []

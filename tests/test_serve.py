@@ -15,8 +15,8 @@ import torch
 
 from tide.config import ServeConfig, TrainConfig
 from tide.draft import DraftRegistry, init_draft, load_draft, save_draft
-from tide.metrics import AcceptanceHistogram
-from tide.recompute import Recompute, write_recomputed
+from tide.draft.acceptance import AcceptanceHistogram
+from tide.train.recompute import Recompute, write_recomputed
 from tide.serve.engine import Request, TideEngine
 from tide.store import ChunkReader, u16_to_bf16
 from tide.train import DraftTrainer

@@ -24,13 +24,14 @@ from pathlib import Path
 
 import pytest
 
-from cluster.cluster import cluster  # noqa: F401 (a fixture)
 from cluster.jobs import ci_config, run_results
-from tide import slurm
+from tide.cluster import commands, script, submit
 from tide.config import ConfigError
 from tide.draft import DraftRegistry
-from tide.metrics import AcceptanceHistogram
-from tide.slurm import Component, Job, JobSpec, SlurmConfig, SlurmError
+from tide.draft.acceptance import AcceptanceHistogram
+from tide.cluster.script import JobSpec
+from tide.cluster.submit import Job, SlurmError
+from tide.config import Component, ServeComponent, SlurmConfig, TrainComponent
 
 ROOT = Path(__file__).resolve().parents[1]
 EXPECTED = ROOT / "tests" / "expected" / "hetjob.sbatch"
@@ -42,8 +43,8 @@ WAIT_S = 150  # > srun's 60 s deadline + 30 s to KILL, so a stuck job still ends
 def ci_slurm() -> SlurmConfig:
     """The test cluster's shape: 2 ranks with 1 GPU each on one serving node, 1 rank with 2 GPUs on each
     of two training nodes."""
-    serve = slurm.ServeComponent("gpu_infer", nodes=1, ntasks_per_node=2, gpus_per_node=1, cpus_per_task=1)
-    train = slurm.TrainComponent("gpu_train", nodes=2, ntasks_per_node=1, gpus_per_node=2, cpus_per_task=2)
+    serve = ServeComponent("gpu_infer", nodes=1, ntasks_per_node=2, gpus_per_node=1, cpus_per_task=1)
+    train = TrainComponent("gpu_train", nodes=2, ntasks_per_node=1, gpus_per_node=2, cpus_per_task=2)
     return SlurmConfig(job_name="tide-ci", time=2, srun_timeout_s=60, env={"TIDE_CI": "1"}, serve=serve, train=train)
 
 
@@ -83,7 +84,7 @@ def expected_spec() -> JobSpec:
 
 
 def test_render_matches_expected_file() -> None:
-    text = slurm.render_hetjob_script(expected_spec())
+    text = script.render_hetjob_script(expected_spec())
     if os.environ.get("TIDE_UPDATE_EXPECTED") == "1":
         EXPECTED.parent.mkdir(exist_ok=True)
         EXPECTED.write_text(text)
@@ -103,20 +104,20 @@ def sbatch_options(text: str) -> list[list[str]]:
 
 def test_standalone_script_asks_for_the_default_config() -> None:
     """slurm/tide_hetjob.sh's #SBATCH lines (which users edit) start equal to SlurmConfig's defaults."""
-    assert sbatch_options(STANDALONE.read_text()) == sbatch_options(slurm.render_hetjob_script(expected_spec()))
+    assert sbatch_options(STANDALONE.read_text()) == sbatch_options(script.render_hetjob_script(expected_spec()))
 
 
 def test_config_section_is_strict(tmp_path: Path) -> None:
     p = tmp_path / "c.yaml"
     p.write_text("slurm:\n  time: 30\n  train: {partition: mi250x, nodes: 2}\n  env: {NCCL_DEBUG: INFO}\n")
-    cfg = slurm.load_slurm_config(p)
-    assert cfg.time == 30 and cfg.serve == slurm.ServeComponent()
-    assert cfg.train == slurm.TrainComponent(partition="mi250x", nodes=2)  # the rest: MI250 defaults
+    cfg = script.load_slurm_config(p)
+    assert cfg.time == 30 and cfg.serve == ServeComponent()
+    assert cfg.train == TrainComponent(partition="mi250x", nodes=2)  # the rest: MI250 defaults
     assert (cfg.train.ntasks_per_node, cfg.train.gpus_per_node) == (4, 4)
     assert cfg.env == {"NCCL_DEBUG": "INFO"}
     p.write_text("slurm:\n  serve: {gpus_pre_node: 4}\n")
     with pytest.raises(ConfigError, match="slurm.serve.gpus_pre_node: unknown key; did you mean gpus_per_node"):
-        slurm.load_slurm_config(p)
+        script.load_slurm_config(p)
     with pytest.raises(ValueError, match="Component.nodes: must be >= 1"):
         Component("h100", nodes=0)
 
@@ -125,12 +126,12 @@ def test_cli_dry_run_prints_the_script(tmp_path: Path, capsys: pytest.CaptureFix
     cfg = tmp_path / "c.yaml"
     cfg.write_text("slurm:\n  time: 30\n  train: {partition: gpu_train}\n")
     out = tmp_path / "out"
-    assert slurm.main(["--config", str(cfg), "--out", str(out), "--executor", "sbatch", "--dry-run"]) == 0
-    spec = JobSpec.for_runtime(SlurmConfig(time=30, train=slurm.TrainComponent("gpu_train")), cfg, out)
-    assert capsys.readouterr().out == slurm.render_hetjob_script(spec) + "\n"
+    assert submit.main(["--config", str(cfg), "--out", str(out), "--executor", "sbatch", "--dry-run"]) == 0
+    spec = JobSpec.for_runtime(SlurmConfig(time=30, train=TrainComponent("gpu_train")), cfg, out)
+    assert capsys.readouterr().out == script.render_hetjob_script(spec) + "\n"
     assert not out.exists()  # nothing submitted, nothing made
     cfg.write_text("slurm:\n  serve: {nodes: 0}\n")
-    assert slurm.main(["--config", str(cfg), "--out", str(out), "--dry-run"]) == 2
+    assert submit.main(["--config", str(cfg), "--out", str(out), "--dry-run"]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"{cfg}: slurm") and err.endswith(": Component.nodes: must be >= 1, got 0\n"), err
 
@@ -138,13 +139,13 @@ def test_cli_dry_run_prints_the_script(tmp_path: Path, capsys: pytest.CaptureFix
 def test_submitit_script_is_a_het_job(tmp_path: Path) -> None:
     if not shutil.which("srun"):
         pytest.skip("submitit's SlurmExecutor insists on finding srun")
-    text = slurm.dry_run(probe_spec(tmp_path), "slurm")
+    text = submit.dry_run(probe_spec(tmp_path), "slurm")
     train = ["time=2", "partition=gpu_train", "nodes=2", "ntasks-per-node=1", "gpus-per-node=2", "cpus-per-task=2"]
     assert sbatch_options(text)[1] == sorted(f"#SBATCH --{o}" for o in train)
     (srun,) = [line for line in text.splitlines() if line.startswith("tide_step ")]
     assert srun.startswith(f'tide_step 60 "{tmp_path}/submitit/.step-${{SLURM_JOB_ID}}" srun --het-group=0,1 '
                            "--mpi=pmix --unbuffered -- bash -c ")
-    assert slurm.STEP_GUARD in text
+    assert script.STEP_GUARD in text
     assert "%j" not in srun and "%t" not in srun  # srun expands both per component: see HetSlurmExecutor
     assert f"{tmp_path}/submitit/${{SLURM_JOB_ID}}_${{SLURM_PROCID}}_log.err" in srun
 
@@ -176,11 +177,11 @@ def test_step_guard(tmp_path: Path, mode: str, rank_cmd: str, timeout_s: int, rc
     srun = tmp_path / "srun"
     srun.write_text(FAKE_SRUN)
     srun.chmod(0o755)
-    script = (f"{slurm.STEP_GUARD}\ntide_step {timeout_s} {tmp_path}/step {srun} --label -- bash -c {rank_cmd!r}\n"
-              "echo rc=$?\n")
+    text = (f"{script.STEP_GUARD}\ntide_step {timeout_s} {tmp_path}/step {srun} --label -- bash -c {rank_cmd!r}\n"
+            "echo rc=$?\n")
     env = {"PATH": os.environ["PATH"], "FAKE_MODE": mode, "TIDE_STEP_GRACE": "1", "TIDE_TRAIN_GRACE": "1",
            "SLURM_NTASKS_HET_GROUP_0": "2", "SLURM_NTASKS_HET_GROUP_1": "1"}
-    p = subprocess.run(["bash", "-c", script], env=env, capture_output=True, text=True, timeout=30)
+    p = subprocess.run(["bash", "-c", text], env=env, capture_output=True, text=True, timeout=30)
     assert p.stdout.splitlines()[-1] == f"rc={rc}", p
     if message:
         assert message in p.stderr
@@ -189,8 +190,10 @@ def test_step_guard(tmp_path: Path, mode: str, rank_cmd: str, timeout_s: int, rc
     assert not (tmp_path / "step").exists()
 
 
-def test_standalone_script_has_the_step_guard() -> None:
-    assert slurm.STEP_GUARD in STANDALONE.read_text()
+def test_standalone_script_sources_the_one_step_guard() -> None:
+    """slurm/tide_hetjob.sh sources the guard the rendered scripts embed: one source for both."""
+    assert 'source "${TIDE_HOME:-$SLURM_SUBMIT_DIR}/tide/cluster/tide_step.sh"' in STANDALONE.read_text()
+    assert script.STEP_GUARD == script.STEP_GUARD_FILE.read_text() and "tide_step() {" in script.STEP_GUARD
 
 
 def test_srun_timeout_leaves_a_margin() -> None:
@@ -210,10 +213,10 @@ def test_states_fold_het_components(monkeypatch: pytest.MonkeyPatch) -> None:
 
     def fake_run(cmd, env=None):
         rc, out = answers["sacct"] if cmd[0] == "sacct" else answers["scontrol"].get(cmd[-1], (1, ""))
-        return slurm.subprocess.CompletedProcess(cmd, rc, out, "")
+        return commands.subprocess.CompletedProcess(cmd, rc, out, "")
 
-    monkeypatch.setattr(slurm, "_run", fake_run)
-    assert slurm.job_states(["7", "9", "12", "13"]) == {"7": "FAILED", "9": "CANCELLED", "12": "COMPLETED",
+    monkeypatch.setattr(commands, "_run", fake_run)
+    assert commands.job_states(["7", "9", "12", "13"]) == {"7": "FAILED", "9": "CANCELLED", "12": "COMPLETED",
                                                         "13": "UNKNOWN"}
 
 
@@ -230,9 +233,9 @@ def test_standalone_script_runs_both_groups(cluster: dict[str, str], tmp_path: P
     out = tmp_path / "out"
     env = {"TIDE_CMD": f"{sys.executable} {PROBE}", "TIDE_PYTHON": sys.executable, "TIDE_SRUN_TIMEOUT": "60"}
     options = [*logs, "--time=2", *serve, ":", "--time=2", *train]
-    jid = slurm.sbatch(STANDALONE, ["configs/ci.yaml", str(out)], options, env)
+    jid = commands.sbatch(STANDALONE, ["configs/ci.yaml", str(out)], options, env)
     job = Job(jid, tmp_path / f"tide-{jid}.out", tmp_path / f"tide-{jid}.err", out)
-    res = slurm.wait(job, WAIT_S)
+    res = submit.wait(job, WAIT_S)
     text = res.stdout.read_text()
     assert res.state == "COMPLETED" and out.is_dir()
     assert f"tide: job {jid}: serving on n0 (gpu_infer), training on n[2-3] (gpu_train)" in text
@@ -242,10 +245,10 @@ def test_standalone_script_runs_both_groups(cluster: dict[str, str], tmp_path: P
 @pytest.mark.slurm
 @pytest.mark.timeout(180)
 def test_rendered_script_runs_both_groups(cluster: dict[str, str], tmp_path: Path) -> None:
-    job = slurm.submit(probe_spec(tmp_path), executor="sbatch")
-    res = slurm.wait(job, WAIT_S)
+    job = submit.submit(probe_spec(tmp_path), executor="sbatch")
+    res = submit.wait(job, WAIT_S)
     assert res.state == "COMPLETED"
-    assert (tmp_path / "tide_hetjob.sbatch").read_text() == slurm.render_hetjob_script(probe_spec(tmp_path))
+    assert (tmp_path / "tide_hetjob.sbatch").read_text() == script.render_hetjob_script(probe_spec(tmp_path))
     assert_one_world_over_both_groups(probe_lines(res.stdout.read_text()), job.job_id)
 
 
@@ -254,8 +257,8 @@ def test_rendered_script_runs_both_groups(cluster: dict[str, str], tmp_path: Pat
 def test_submitit_executor_runs_both_groups(cluster: dict[str, str], tmp_path: Path) -> None:
     """submitit sees the het job as one job of 4 tasks: state COMPLETED (from scontrol, no accounting),
     one result (the probe's stdout) and one log per rank, named by global rank."""
-    job = slurm.submit(probe_spec(tmp_path), executor="slurm")
-    res = slurm.wait(job, WAIT_S)
+    job = submit.submit(probe_spec(tmp_path), executor="slurm")
+    res = submit.wait(job, WAIT_S)
     sjob = job.submitit_job
     assert res.state == "COMPLETED" and sjob is not None
     # submitit's `state` is a cached value (refreshed every few seconds); get_info() forces a refresh
@@ -273,9 +276,9 @@ def test_submitit_executor_runs_both_groups(cluster: dict[str, str], tmp_path: P
 @pytest.mark.parametrize("executor", ["sbatch", "slurm"])
 def test_failure_carries_evidence(cluster: dict[str, str], tmp_path: Path, executor: str) -> None:
     """The serving group fails: tide_step stops the training ranks (blocked in an allreduce) at once."""
-    job = slurm.submit(probe_spec(tmp_path, "--fail-group", "0"), executor=executor)  # type: ignore[arg-type]
+    job = submit.submit(probe_spec(tmp_path, "--fail-group", "0"), executor=executor)  # type: ignore[arg-type]
     with pytest.raises(SlurmError) as e:
-        slurm.wait(job, WAIT_S)
+        submit.wait(job, WAIT_S)
     msg = str(e.value)
     assert e.value.state == "FAILED"
     assert f"Slurm job {job.job_id} did not complete: state FAILED; log {job.stderr}" in msg
@@ -289,11 +292,11 @@ def test_failure_carries_evidence(cluster: dict[str, str], tmp_path: Path, execu
 @pytest.mark.slurm
 @pytest.mark.timeout(120)
 def test_wait_deadline_cancels(cluster: dict[str, str], tmp_path: Path) -> None:
-    job = slurm.submit(JobSpec(ci_slurm(), ("sleep", "100"), str(tmp_path)), executor="sbatch")
+    job = submit.submit(JobSpec(ci_slurm(), ("sleep", "100"), str(tmp_path)), executor="sbatch")
     with pytest.raises(SlurmError, match=rf"Slurm job {job.job_id} still (PENDING|RUNNING) after 5 s, cancelled"):
-        slurm.wait(job, 5, progress=False)
+        submit.wait(job, 5, progress=False)
     for _ in range(60):  # scancel is asynchronous
-        state = slurm.job_states([job.job_id])[job.job_id]
+        state = commands.job_states([job.job_id])[job.job_id]
         if state not in ("PENDING", "RUNNING"):
             break
         time.sleep(0.5)
@@ -338,9 +341,9 @@ def test_tide_from_the_standalone_script(cluster: dict[str, str], tmp_path: Path
     logs = [f"--output={tmp_path}/tide-%j.out", f"--error={tmp_path}/tide-%j.err"]
     config, out = ci_config(tmp_path / "ci.yaml", **E2E), tmp_path / "out"
     env = {"TIDE_PYTHON": sys.executable, "TIDE_SRUN_TIMEOUT": "480"}
-    jid = slurm.sbatch(STANDALONE, [str(config), str(out)], [*logs, "--time=10", *serve, ":", "--time=10", *train], env)
+    jid = commands.sbatch(STANDALONE, [str(config), str(out)], [*logs, "--time=10", *serve, ":", "--time=10", *train], env)
     job = Job(jid, tmp_path / f"tide-{jid}.out", tmp_path / f"tide-{jid}.err", out)
-    assert slurm.wait(job, RUN_WAIT_S).state == "COMPLETED"
+    assert submit.wait(job, RUN_WAIT_S).state == "COMPLETED"
     assert re.search(rf"^tide: job {jid}: serving on n[01] \(gpu_infer\), training on n[23] \(gpu_train\)",
                      job.stdout.read_text(), re.M)
     err = job.stderr.read_bytes().decode()  # not read_text(): it would cut lines at tqdm's \r, before srun's labels

@@ -11,7 +11,7 @@ import yaml
 
 from tide.config import TrainConfig
 from tide.draft import DraftRegistry
-from tide.recompute import write_recomputed
+from tide.train.recompute import write_recomputed
 from tide.train import DraftTrainer
 
 ROOT = Path(__file__).resolve().parents[1]

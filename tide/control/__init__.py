@@ -7,14 +7,12 @@
 None of them touches the engine, the store or the clock; the runtime feeds them and applies the result.
 """
 
-from tide.control.collection import CollectAction, CollectConfig, CollectionGate, CollectState
+from tide.control.collection import CollectAction, CollectionGate, CollectState
 from tide.control.decision import Decision
-from tide.control.rollback import RollbackAction, RollbackConfig, RollbackGate
-from tide.control.speculation import (GateConfig, LatencyProfile, SpecAction, SpeculationGate,
-                                      SpeculationObservation)
+from tide.control.rollback import RollbackAction, RollbackGate
+from tide.control.speculation import LatencyProfile, SpecAction, SpeculationGate, SpeculationObservation
 
 __all__ = [
-    "CollectAction", "CollectConfig", "CollectState", "CollectionGate", "Decision", "GateConfig",
-    "LatencyProfile", "RollbackAction", "RollbackConfig", "RollbackGate", "SpecAction", "SpeculationGate",
-    "SpeculationObservation",
+    "CollectAction", "CollectState", "CollectionGate", "Decision", "LatencyProfile", "RollbackAction", "RollbackGate",
+    "SpecAction", "SpeculationGate", "SpeculationObservation",
 ]

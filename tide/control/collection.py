@@ -17,48 +17,10 @@ Collection stays on while TRAINING (more data for a retry); `collecting` says wh
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from enum import Enum
 
-from tide.control.decision import Decision, check
-
-
-@dataclass(frozen=True)
-class CollectConfig:
-    """Algorithm 1's constants (the paper gives none; these are ours, chosen by simulation).
-
-    Per-request AL is noisy: requests of one domain differ by sigma ~0.2-0.4 AL. On a stable stream
-    the gap long - short has std ~0.12 * sigma for lambdas 0.05 / 0.01, and epsilon 0.2 gave no false
-    shift in 40 x 10,000 Gaussian requests at sigma 0.3 (1 in 40 runs at sigma 0.4). The constants
-    first suggested (0.3 / 0.02 / 0.1: gap std ~0.39 * sigma, epsilon ~1 std) saw a false shift
-    within ~30 requests of every run at sigma 0.2. The price is detection delay, which is small next
-    to the ~100+ requests that collection takes: a drop of Delta is caught after k requests with
-    Delta * (0.99^k - 0.95^k) > 0.2: k = 12 for 0.6 AL (calibration: GSM8K -> code, 1.75 -> 1.11),
-    ~20 for 0.4. A linear drift of r AL per request opens a steady gap of r * (1/lambda_long -
-    1/lambda_short) = 80 r, so drifts faster than 0.0025 AL/request trip the EMAs; slower ones trip
-    `drift_epsilon`: the long EMA fell that far below the baseline (0 disables; > epsilon because the
-    baseline is one draw, the mean of n_init requests). `n_init` 32: a baseline with std sigma/5.7.
-    `n_threshold` 32768 stored tokens (16 chunks of 2048): the calibration's code draft went from AL
-    1.00 to 1.45 on 16k output tokens, and prompt rows are stored too. `min_gain`: deploy when the new
-    eval AL > live AL + min_gain; both come from the same held-out data, so any gain is real on it.
-    """
-
-    lambda_short: float = 0.05
-    lambda_long: float = 0.01
-    epsilon: float = 0.2  # AL units
-    drift_epsilon: float = 0.25  # AL units; 0 = only the two-EMA test
-    n_init: int = 32  # requests
-    n_threshold: int = 32_768  # stored tokens (rows) since collection started
-    min_gain: float = 0.0  # AL units
-
-    def __post_init__(self) -> None:
-        check(0 < self.lambda_long < self.lambda_short <= 1, "CollectConfig", "lambda_short/lambda_long",
-              (self.lambda_short, self.lambda_long), "0 < lambda_long < lambda_short <= 1")
-        check(self.epsilon > 0, "CollectConfig", "epsilon", self.epsilon, "> 0 (AL units)")
-        check(self.drift_epsilon >= 0, "CollectConfig", "drift_epsilon", self.drift_epsilon, ">= 0 (0 disables)")
-        check(self.n_init >= 1, "CollectConfig", "n_init", self.n_init, ">= 1 request")
-        check(self.n_threshold >= 1, "CollectConfig", "n_threshold", self.n_threshold, ">= 1 token")
-        check(self.min_gain >= 0, "CollectConfig", "min_gain", self.min_gain, ">= 0 (AL units)")
+from tide.config import CollectConfig
+from tide.control.decision import Decision
 
 
 class CollectState(str, Enum):

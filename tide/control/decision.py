@@ -27,7 +27,3 @@ class Decision(Generic[A]):
         return f"{self.action.value}{tag}: {self.reason}"
 
 
-def check(ok: bool, cls: str, name: str, value: object, rule: str) -> None:
-    """Config validation: raise ValueError naming the class, the field, the value and the rule."""
-    if not ok:
-        raise ValueError(f"{cls}.{name} = {value!r}: must be {rule}")

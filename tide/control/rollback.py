@@ -13,27 +13,11 @@ below 1 + 0.6 * 0.5 = 1.30.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from enum import Enum
 
-from tide.control.decision import Decision, check
-from tide.metrics import AcceptanceHistogram
-
-
-@dataclass(frozen=True)
-class RollbackConfig:
-    """`fraction`: share of the evaluated gain (eval AL - 1) the live gain must keep. Live runs below
-    eval (traffic moves on from the data the eval was drawn from), so 0.6 leaves room for that, while a
-    collapsed draft keeps ~0. `window_steps`: drafting steps (one per sequence per engine step) before
-    judging; 256 steps put the window's AL within ~0.06 (per-step std ~1), well inside the gap between
-    a collapsed draft and the bar whenever the evaluated gain is >= 0.3."""
-
-    fraction: float = 0.6
-    window_steps: int = 256
-
-    def __post_init__(self) -> None:
-        check(0 < self.fraction <= 1, "RollbackConfig", "fraction", self.fraction, "in (0, 1]")
-        check(self.window_steps >= 1, "RollbackConfig", "window_steps", self.window_steps, ">= 1 drafting step")
+from tide.config import RollbackConfig
+from tide.control.decision import Decision
+from tide.draft.acceptance import AcceptanceHistogram
 
 
 class RollbackAction(str, Enum):

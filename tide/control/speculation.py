@@ -15,8 +15,9 @@ import bisect
 from dataclasses import dataclass
 from enum import Enum
 
-from tide.control.decision import Decision, check
-from tide.metrics import AcceptanceHistogram
+from tide.config import SpeculationConfig, check
+from tide.control.decision import Decision
+from tide.draft.acceptance import AcceptanceHistogram
 
 
 @dataclass(frozen=True)
@@ -84,43 +85,6 @@ class LatencyProfile:
         return cls(tuple((int(n), float(t)) for n, t in d["points"]), float(d["draft_step_s"]), int(d["gamma"]))
 
 
-@dataclass(frozen=True)
-class GateConfig:
-    """Speculation gate hysteresis.
-
-    Off when the live AL < break-even * (1 - margin_off); on when the AL (live, or the estimate while
-    off) > break-even * (1 + margin_on). The band [0.95, 1.10] x break-even is wider than the noise of
-    a 256-step window (per-step accepted count has std about 1, so the window mean has std ~0.06 AL),
-    and it is asymmetric: turning on needs a predicted gain of 10%, since an estimate from simulated
-    drafting runs a little above what serving achieves. A clear case need not wait for 256 steps:
-    from `early_steps` on, an AL more than `z` standard errors beyond the bar decides (an untrained
-    draft at AL 1.0 against a bar of 1.9 is off after 32 steps, not after 256 slow ones). No switch
-    within `min_dwell_steps` engine steps AND `min_dwell_s` seconds of the last one, so an AL
-    hovering at the bar cannot flap. Inside the band, a live AL `z` standard errors below break-even
-    also turns speculation off: a cheap draft that accepts nothing (K = 1 on a CPU: break-even 1.03)
-    would otherwise cost its 3% for ever.
-    """
-
-    margin_off: float = 0.05
-    margin_on: float = 0.10
-    min_steps: int = 256  # drafting steps (one per sequence per engine step) behind an AL before it counts
-    early_steps: int = 32  # ... or this many, when the AL is `z` standard errors beyond the bar
-    z: float = 4.0
-    min_dwell_steps: int = 64
-    min_dwell_s: float = 2.0
-    start_enabled: bool = True  # speculate from the start: the live AL can only be measured while on
-
-    def __post_init__(self) -> None:
-        check(0 <= self.margin_off < 1, "GateConfig", "margin_off", self.margin_off, "in [0, 1)")
-        check(self.margin_on >= 0, "GateConfig", "margin_on", self.margin_on, ">= 0")
-        check(self.min_steps >= 1, "GateConfig", "min_steps", self.min_steps, ">= 1")
-        check(1 <= self.early_steps <= self.min_steps, "GateConfig", "early_steps", self.early_steps,
-              "in [1, min_steps]")
-        check(self.z > 0, "GateConfig", "z", self.z, "> 0")
-        check(self.min_dwell_steps >= 0, "GateConfig", "min_dwell_steps", self.min_dwell_steps, ">= 0")
-        check(self.min_dwell_s >= 0, "GateConfig", "min_dwell_s", self.min_dwell_s, ">= 0")
-
-
 class SpecAction(str, Enum):
     ENABLE = "enable"
     DISABLE = "disable"
@@ -150,7 +114,7 @@ class SpeculationObservation:
 class SpeculationGate:
     """Eq. 5 with hysteresis and dwell. Holds only whether speculation is on and since when."""
 
-    def __init__(self, cfg: GateConfig, profile: LatencyProfile, step: int = 0, time_s: float = 0.0) -> None:
+    def __init__(self, cfg: SpeculationConfig, profile: LatencyProfile, step: int = 0, time_s: float = 0.0) -> None:
         self.cfg, self.profile = cfg, profile
         self.enabled = cfg.start_enabled
         self._since = (step, time_s)  # the last switch (or construction)

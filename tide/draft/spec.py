@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tide.target import default_layer_ids
+from tide.model.target import default_layer_ids
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 

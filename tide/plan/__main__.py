@@ -101,7 +101,7 @@ def simulate_main(argv: list[str]) -> int:
                     help="run once per value of one key and print one row each, e.g. training.count=1,2,4,8,16 "
                          "(how many trainers) or serving.instances=1,2,4,8,16 (when storage limits)")
     ap.add_argument("--measured", metavar="JSON", type=Path,
-                    help="a measured run (tide.bench.pipeline's JSON, or any JSON with its keys): print the "
+                    help="a measured run (workflows.bench.pipeline's JSON, or any JSON with its keys): print the "
                          "prediction next to it with the relative error")
     ap.add_argument("--json", metavar="OUT", type=Path, help="also write the figures (and timeline) as JSON")
     ap.add_argument("--plot", metavar="OUT.png", type=Path,

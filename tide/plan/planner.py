@@ -135,7 +135,7 @@ def resolve(raw: InventoryFile, source: str) -> Inventory:
             figures.append(v)
         gpus.append(GpuClass(str(name), entry.count, figures[0], figures[1]))
     if sum(g.count for g in gpus) == 0:
-        fail("classes", f"no GPUs; give at least one class with count > 0, e.g. H100: {{count: 8}}")
+        fail("classes", "no GPUs; give at least one class with count > 0, e.g. H100: {count: 8}")
     demand = raw.train_demand or raw.default_train_demand
     return Inventory(raw.speedup, demand, tuple(gpus))
 

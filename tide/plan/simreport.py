@@ -80,7 +80,7 @@ def sweep_row(value: Any, summary: dict[str, Any]) -> dict[str, Any]:
 
 
 def predictions(s: Scenario, r: Result) -> dict[str, Any]:
-    """The first shift's figures under the names `tide.bench.pipeline` writes, for `--measured`."""
+    """The first shift's figures under the names `workflows.bench.pipeline` writes, for `--measured`."""
     if not r.shifts:
         return {}
     sh = r.shifts[0]

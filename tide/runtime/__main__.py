@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 from tide.config import ConfigError, load_config
-from tide.layout import RunLayout
+from tide.store.layout import RunLayout
 
 
 def slurm_cpus(group: int) -> int:
@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, ValueError) as e:
         print(f"tide.runtime: error: {e}", file=sys.stderr)
         return 2
-    from tide.launch import bind_cores, bind_serving
+    from tide.runtime.processes import bind_cores, bind_serving
     from tide.runtime.trainer_role import run_trainer
     from tide.runtime.transport import MPITransport, SocketTransport
 

@@ -21,7 +21,7 @@ from typing import Any
 from tide.config import TideConfig
 from tide.control import (CollectAction, CollectionGate, Decision, RollbackAction, RollbackGate,
                           SpecAction, SpeculationGate, SpeculationObservation)
-from tide.metrics import AcceptanceHistogram
+from tide.draft.acceptance import AcceptanceHistogram
 from tide.runtime.messages import (Deploy, DraftReady, Heartbeat, Shutdown, Train, TrainFailed, TrainProgress)
 from tide.runtime.transport import Transport
 from tide.serve.engine import RequestResult, TideEngine, Window

@@ -10,8 +10,9 @@ from typing import Any
 
 from tide.config import TideConfig, to_dict
 from tide.draft import DraftRegistry, init_draft, save_draft
-from tide.layout import RunLayout
-from tide.report import plot_run, segment, write_json, write_jsonl
+from tide.store.layout import RunLayout
+from tide.model.files import write_json, write_jsonl
+from tide.runtime.results import plot_run, segment
 from tide.runtime.coordinator import Coordinator, Event
 from tide.runtime.transport import Transport
 from tide.serve.engine import Request, RequestResult, TideEngine, Window

@@ -14,7 +14,7 @@ import threading
 import time
 
 from tide.config import TideConfig
-from tide.layout import RunLayout
+from tide.store.layout import RunLayout
 from tide.runtime.messages import DraftReady, Heartbeat, Shutdown, Train, TrainFailed, TrainProgress
 from tide.runtime.transport import Transport
 

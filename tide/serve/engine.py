@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 from tide.config import ServeConfig
-from tide.metrics import AcceptanceHistogram
-from tide.target import Target
+from tide.draft.acceptance import AcceptanceHistogram
+from tide.model.target import Target
 
 if TYPE_CHECKING:
     from tide.control import LatencyProfile

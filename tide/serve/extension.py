@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from tide.metrics import AcceptanceHistogram
+from tide.draft.acceptance import AcceptanceHistogram
 from tide.store import ChunkMeta, ChunkWriter, Run, bf16_to_u16
 
 

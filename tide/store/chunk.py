@@ -24,6 +24,8 @@ import h5py
 import numpy as np
 import torch
 
+from tide.model.target import ChunkMeta
+
 FORMAT_VERSION = 1
 SUFFIX = ".h5"
 _HIDDEN_CHUNK_BYTES = 1 << 20  # HDF5 storage chunk of the hidden dataset: about 1 MiB of rows
@@ -37,32 +39,6 @@ class ChunkError(ValueError):
     def __init__(self, path: Path | str, field: str, what: str, reason: str = "corrupt"):
         super().__init__(f"{path}: {field}: {what}")
         self.path, self.field, self.reason = Path(path), field, reason
-
-
-@dataclass(frozen=True)
-class ChunkMeta:
-    """File attributes; a reader rejects a chunk whose meta differs from what it expects."""
-
-    target_id: str  # model dir name or hub id
-    target_hash: str  # short hash of the target's config/weights (computed by the caller)
-    hidden_size: int  # H of the target
-    layer_ids: tuple[int, ...]  # vLLM aux layer ids; hidden rows are [len(layer_ids)*H]
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "layer_ids", tuple(int(i) for i in self.layer_ids))
-        if self.hidden_size <= 0 or not self.layer_ids:
-            raise ValueError(f"ChunkMeta: need hidden_size > 0 and layer_ids, got {self}")
-
-    @property
-    def row_dim(self) -> int:
-        """D = len(layer_ids) * hidden_size: the width of one hidden row."""
-        return len(self.layer_ids) * self.hidden_size
-
-    @property
-    def row_bytes(self) -> int:
-        """Bytes of one row in a chunk file: the bf16 hidden row, token, position and is_output
-        (HDF5's own overhead aside)."""
-        return 2 * self.row_dim + 9
 
 
 @dataclass

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 from tide.config import ConfigError, load_config
-from tide.layout import RunLayout
+from tide.store.layout import RunLayout
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from tide.draft import Eagle3Draft
-from tide.metrics import AcceptanceHistogram
+from tide.draft.acceptance import AcceptanceHistogram
 from tide.train.data import Batch
 
 

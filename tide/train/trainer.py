@@ -24,12 +24,13 @@ from torch import nn
 from tide.config import TideConfig, TrainConfig
 from tide.draft import DraftRegistry, Eagle3Draft, init_draft, load_draft, set_vocab, target_heads
 from tide.store import ChunkMeta, ChunkReader, Run, bf16_to_u16, is_eval
-from tide.target import Target
+from tide.model.target import Target
+from tide.train.precision import use_bf16
 from tide.train.data import Batch, Sequence, batches, sequences
 from tide.train.objective import simulate_acceptance, ttt_loss
 
 if TYPE_CHECKING:
-    from tide.layout import RunLayout
+    from tide.store.layout import RunLayout
 
 log = logging.getLogger(__name__)
 
@@ -66,22 +67,6 @@ def init_distributed() -> tuple[int, int]:
         for key in single:
             os.environ.pop(key, None)
     return 0, 1
-
-
-def use_bf16(precision: str) -> bool:
-    from deepspeed.accelerator import get_accelerator
-
-    if precision != "auto":
-        return precision == "bf16"
-    if get_accelerator().device_name() == "cpu":
-        return cpu_has_bf16()
-    return bool(get_accelerator().is_bf16_supported())
-
-
-def cpu_has_bf16() -> bool:
-    """Whether this CPU multiplies bf16 natively; without it bf16 is slower than float32."""
-    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 def deepspeed_config(cfg: TrainConfig, bf16: bool) -> dict[str, Any]:
@@ -148,7 +133,7 @@ class DraftTrainer:
         self.eval_fraction, self.init_dir = eval_fraction, init_dir
         self.rank, self.world = init_distributed()
         self.bf16 = use_bf16(cfg.precision)
-        self._recompute: Any = None  # tide.recompute.Recompute, built on first use
+        self._recompute: Any = None  # tide.train.recompute.Recompute, built on first use
         self._recomputed: dict[tuple[str, int, int], Any] = {}
         self.recompute_s = 0.0
 
@@ -250,7 +235,7 @@ class DraftTrainer:
         if self.cfg.signals == "captured":
             return runs
         if self._recompute is None:
-            from tide.recompute import Recompute
+            from tide.train.recompute import Recompute
 
             self._recompute = Recompute(Target.open(self.target_dir, self.aux_layer_ids))
         t0, out = time.time(), []

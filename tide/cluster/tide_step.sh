@@ -1,0 +1,76 @@
+# shellcheck shell=bash
+# The step guard every TIDE batch script uses (sourced by slurm/tide_hetjob.sh, embedded in the
+# scripts tide.cluster.script renders: a script Slurm copied to its spool must stand alone).
+# One srun step over every het group, guarded. Het group 0's ranks serve, the others train. Each
+# rank leaves its exit code in DIR/<rank>. A serving rank that fails ends the step (srun gets TERM)
+# and the job fails with its code; a training rank that fails only degrades training: serving goes
+# on and decides the job's code. Once every serving rank has exited 0, training ranks still running
+# get TIDE_TRAIN_GRACE (60) s, then TERM. Slurm 22.05's srun can hang after all tasks of a het
+# step have exited (mpi/pmix: srun joins its PMIx abort-agent thread once per het component), and
+# then ignores TERM: it gets TIDE_STEP_GRACE (10) s to return once every rank is done, 3 times that
+# once it got TERM, and is then killed. After SECS seconds (0 = never) srun gets TERM.
+tide_step() {  # tide_step SECS DIR SRUN [OPTIONS...] -- COMMAND...
+  local secs=$1 grace=${TIDE_STEP_GRACE:-10} linger=${TIDE_TRAIN_GRACE:-60} t=0 n=0 n0 f r c v rc
+  local all=-1 served=-1 stop=-1 srun=() code=()
+  export TIDE_STEP_DIR=$2
+  shift 2
+  while [[ $1 != -- ]]; do srun+=("$1"); shift; done
+  shift
+  for v in ${!SLURM_NTASKS_HET_GROUP_*}; do n=$((n + ${!v})); done
+  ((n)) || n=${SLURM_NTASKS:-1}
+  n0=${SLURM_NTASKS_HET_GROUP_0:-$n}
+  mkdir -p "$TIDE_STEP_DIR"
+  # each rank in a session (process group) of its own, killed once the rank has exited: a child that
+  # outlives it (a vLLM engine or worker process whose parent was killed) would run on, unseen
+  "${srun[@]}" bash -c 'setsid "$@" & p=$!; wait $p; rc=$?; kill -KILL -- -$p 2>/dev/null
+    f=$TIDE_STEP_DIR/$SLURM_PROCID; echo $rc >"$f.tmp"; mv "$f.tmp" "$f"; exit $rc' rank "$@" &
+  local pid=$!
+  while
+    for f in "$TIDE_STEP_DIR"/*; do  # ranks that exited since the last look
+      r=${f##*/}
+      [[ $r =~ ^[0-9]+$ && -z ${code[r]:-} ]] || continue
+      c=$(<"$f")
+      code[r]=$c
+      if ((c && r < n0)); then
+        echo "tide: serving rank $r exited $c: stopping the job" >&2
+        ((stop >= 0)) || { kill -TERM "$pid" 2>/dev/null; stop=$t; }
+      elif ((c)); then
+        echo "tide: training rank $r exited $c: training degraded, serving goes on" >&2
+      fi
+    done
+    kill -0 "$pid" 2>/dev/null
+  do
+    ((all < 0 && ${#code[@]} >= n)) && all=$t
+    for ((r = 0, c = 0; r < n0; r++)); do [[ ${code[r]:-} == 0 ]] && c=$((c + 1)); done
+    ((served < 0 && c == n0)) && served=$t
+    if ((all >= 0 && t - all >= grace)); then
+      echo "tide: the ranks are done, srun did not return (Slurm het-step hang): killing it" >&2
+      kill -KILL "$pid"
+      break
+    elif ((stop >= 0 && t - stop >= 3 * grace)); then
+      echo "tide: srun still running $((3 * grace)) s after TERM: killing it" >&2
+      kill -KILL "$pid"
+      break
+    elif ((stop < 0 && served >= 0 && t - served >= linger)); then
+      echo "tide: serving is done, training ranks still running after $linger s: stopping them" >&2
+      kill -TERM "$pid"
+      stop=$t
+    elif ((stop < 0 && secs > 0 && t >= secs)); then
+      echo "tide: srun still running after $secs s: stopping it" >&2
+      kill -TERM "$pid"
+      stop=$t
+    fi
+    sleep 1
+    t=$((t + 1))
+  done
+  wait "$pid" 2>/dev/null
+  rc=$?
+  for ((r = n0 - 1, c = 0; r >= 0; r--)); do  # serving decides: the lowest failed rank's code, else 0
+    v=${code[r]:-}
+    [[ $v == 0 ]] && c=$((c + 1))
+    [[ -n $v && $v != 0 ]] && rc=$v
+  done
+  ((c == n0)) && rc=0
+  rm -rf "$TIDE_STEP_DIR"
+  return "$rc"
+}

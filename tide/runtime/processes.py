@@ -1,0 +1,72 @@
+"""This machine's processes: pinning a process to its cores, and the local trainer process.
+
+Locally TIDE emulates the paper's disaggregation on one machine: serving on `runtime.serve_cores`,
+the trainer, a process of its own joined by a socket pair, on `runtime.train_cores`. Under Slurm a
+rank only runs as many threads as its task has CPUs; Slurm does the binding.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+from tide.runtime.transport import SocketTransport
+
+log = logging.getLogger(__name__)
+
+
+@contextlib.contextmanager
+def local_trainer(config: Path, out: Path, cores: str) -> Iterator["SocketTransport"]:
+    """A trainer process (`python -m tide.runtime --fd`) on `cores`, joined to this one by a socket
+    pair; its log is out/trainer.log. On exit it gets two minutes to finish, then is killed."""
+    out.mkdir(parents=True, exist_ok=True)
+    ours, theirs = socket.socketpair()
+    cmd = [sys.executable, "-m", "tide.runtime", "--config", str(config), "--out", str(out),
+           "--fd", str(theirs.fileno()), "--cores", cores]
+    with open(out / "trainer.log", "ab") as trainer_log:
+        trainer = subprocess.Popen(cmd, pass_fds=[theirs.fileno()], stdout=trainer_log, stderr=subprocess.STDOUT)
+    theirs.close()
+    log.info("trainer process %d (cores %s), log %s", trainer.pid, cores or "any", out / "trainer.log")
+    transport = SocketTransport(ours, rank=0, peer=1)
+    try:
+        yield transport
+    finally:
+        try:
+            trainer.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            trainer.kill()
+        transport.close()
+
+
+def bind_cores(spec: str, threads: int = 0) -> None:
+    """Pin this process (and the threads it starts) to `spec` cores, e.g. '1' or '0,2-3', with one
+    OpenMP thread per core; without `spec`, only use `threads` threads (0: torch's default)."""
+    import torch
+
+    if not spec:
+        if threads > 0:
+            torch.set_num_threads(threads)
+        return
+    cores: set[int] = set()
+    for part in spec.split(","):
+        a, _, b = part.partition("-")
+        cores.update(range(int(a), int(b or a) + 1))
+    os.sched_setaffinity(0, cores)
+    torch.set_num_threads(len(cores))
+
+
+def bind_serving(cores: str, threads: int = 0) -> None:
+    """This process serves on `cores` (see `bind_cores`), with vLLM's engine core in-process (uniproc
+    executor): with vLLM's default engine-core process next to a worker process, the core busy-waits
+    on the worker and takes a second CPU core, the trainer's. In-process, vLLM ignores
+    VLLM_CPU_OMP_THREADS_BIND (only its multiprocessing executor applies it), so the process pins
+    itself; unpinned, its OpenMP team spreads over every core and a busy trainer core stalls each
+    step. Only for a process that serves and nothing else: vLLM's process groups then live in it."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    bind_cores(cores, threads)

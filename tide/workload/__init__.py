@@ -1,0 +1,11 @@
+"""What is served: published prompt sets, arrival processes, phases of a domain-shift workload, and
+the request source that repeats a segment until the loop has done what a run waits for."""
+
+from tide.workload.arrivals import Arrivals
+from tide.workload.phases import (Phase, TextRequest, WorkloadSpec, build_workload, check_workload, draw_requests,
+                                  load_workload)
+from tide.workload.prompts import WorkloadError, load_prompts
+from tide.workload.source import RequestSource, Segment, build_requests
+
+__all__ = ["Arrivals", "Phase", "RequestSource", "Segment", "TextRequest", "WorkloadError", "WorkloadSpec",
+           "build_requests", "build_workload", "check_workload", "draw_requests", "load_prompts", "load_workload"]

@@ -1,0 +1,1 @@
+"""Runnable experiments that compose the `tide` library and write results (see README.md here)."""

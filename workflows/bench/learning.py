@@ -1,0 +1,104 @@
+"""`draft-learning` and `training-cycle`: SmolLM2-135M answers GSM8K itself (vLLM, greedy, as TIDE
+would serve it); a fresh head learns from the hidden states of those answers."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+from tide.config import ServeConfig, TrainConfig, load_config
+from tide.train.recompute import write_recomputed
+from tide.serve.engine import TideEngine
+from tide.model.target import Target
+
+log = logging.getLogger(__name__)
+DEFAULT = Path(__file__).resolve().parents[2] / "configs" / "local.yaml"
+
+
+def _target() -> Target:
+    from tide.model.assets import resolve_model
+
+    return Target.open(resolve_model("smollm2"), (2, 15, 27))
+
+
+def answers(target: Target, work: Path, data: Path, n: int, max_tokens: int = 192) -> list[tuple[str, list[int], list[int]]]:
+    """(id, prompt ids, greedy output ids) for the first n GSM8K train questions; cached in `work`."""
+    from tide.workload import build_requests
+    from tide.config import WorkloadConfig
+
+    cache = work / f"answers-{n}-{max_tokens}.jsonl"
+    if cache.exists():
+        return [tuple(json.loads(line)) for line in cache.read_text().splitlines()]  # type: ignore[misc]
+    reqs = build_requests(WorkloadConfig(dataset="gsm8k", path=str(data / "gsm8k" / "train.jsonl"),
+                                         num_prompts=100_000, max_tokens=max_tokens), target.path, 1024)[:n]
+    eng = TideEngine(target, ServeConfig(max_num_seqs=16, max_model_len=2048, max_num_batched_tokens=2048), None,
+                     dtype=load_config(DEFAULT).model.dtype)
+    done = [0]
+
+    def progress(w) -> None:
+        done[0] += w.tokens
+        log.info("answers: %d tokens generated, %.0f tok/s", done[0], w.tokens_per_s)
+
+    try:
+        res, _ = eng.replay(reqs, concurrency=16, window_s=30.0, on_window=progress)
+    finally:
+        eng.close()
+    prompts = {r.request_id: r.prompt_ids for r in reqs}
+    out = [(r.request_id, prompts[r.request_id], r.output_ids) for r in res]
+    work.mkdir(parents=True, exist_ok=True)
+    cache.write_text("".join(json.dumps(o) + "\n" for o in out))
+    return out
+
+
+def _train_cfg() -> TrainConfig:
+    """The embedded default's trainer settings, evaluated at gamma 3 (the issue's and the paper's
+    figure) whatever K the default serves with."""
+    return dataclasses.replace(load_config(DEFAULT).train, gamma=3)
+
+
+def _cycle(target: Target, store: Path, drafts: Path, cfg: TrainConfig):
+    from tide.train import DraftTrainer
+
+    shutil.rmtree(drafts, ignore_errors=True)
+    trainer = DraftTrainer(cfg, target.path, store, drafts, expect=target.chunk_meta(), aux_layer_ids=target.layer_ids,
+                           draft_vocab_size=8192, eval_fraction=0.15)
+    return trainer.cycle()
+
+
+def _recompute_and_train(target: Target, work: Path, reqs: list):
+    """Hidden states of `reqs` regenerated into a fresh store, then one cycle; (seconds, result)."""
+    store = work / "store"
+    shutil.rmtree(store, ignore_errors=True)
+    t0 = time.time()
+    write_recomputed(target, store, reqs, workload="gsm8k")
+    return time.time() - t0, _cycle(target, store, work / "drafts", _train_cfg())
+
+
+def draft_learning(work: Path, data: Path, quick: bool = False) -> dict[str, Any]:
+    target = _target()
+    reqs = answers(target, work, data, 80 if quick else 200)
+    recompute_s, r = _recompute_and_train(target, work, reqs)
+    return {"al_before": r.al_before, "al_after": r.al_after, "gamma": _train_cfg().gamma,
+            "train_tokens": r.train_tokens, "wall_s": r.wall_s, "train_steps": r.steps,
+            "train_tokens_per_s": r.tokens_per_s, "vocab_coverage": r.vocab_coverage,
+            "questions": len(reqs), "output_tokens": sum(len(o) for _, _, o in reqs),
+            "recompute_s": recompute_s, "draft": str(work / "drafts" / f"v{r.version}")}
+
+
+def training_cycle(work: Path, data: Path, quick: bool = False) -> dict[str, Any]:
+    """One draft update from the same fresh tokens: TIDE trains on chunks captured while serving;
+    the recompute baseline first regenerates their hidden states with the target, then trains the
+    same way. Ratio = recompute time / TIDE time."""
+    target = _target()
+    reqs = answers(target, work.parent / "draft-learning", data, 80 if quick else 200)
+    regenerate_s, r = _recompute_and_train(target, work, reqs)
+    tide_s = r.wall_s
+    recompute_s = regenerate_s + r.wall_s
+    return {"fresh_tokens": sum(len(p) + len(o) - 1 for _, p, o in reqs), "tide_s": tide_s,
+            "recompute_s": recompute_s, "regenerate_s": regenerate_s, "recompute_over_tide": recompute_s / tide_s,
+            "train_steps": r.steps, "al_after": r.al_after}

@@ -1,0 +1,159 @@
+"""One experiment: the same workload and arrivals served in each mode, one mode after the other.
+
+Modes: `nospec` (plain vLLM), `static` (a draft trained offline on the first phase's domain, then
+frozen: the usual deployment), `tide` (the adaptive system), `tide-always` (speculation, collection,
+training and deployment always on: the paper's TIDE-default) and `tide-recompute` (TIDE whose trainer
+regenerates the hidden states with the target instead of using captured ones, that cost counted).
+Every TIDE mode starts from the static draft. Serving is bound to `runtime.serve_cores` in every
+mode and trainers to `runtime.train_cores`, so no mode serves on more CPU than another.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from tide.config import ConfigError, TideConfig, from_dict, to_dict
+from tide.store.layout import RunLayout
+from tide.workload.prompts import load_prompts
+from tide.workload.phases import WorkloadSpec, build_workload, chat_ids, load_workload
+from tide.serve.engine import Request, RequestResult, TideEngine, Window
+from tide.workload import Segment
+
+log = logging.getLogger(__name__)
+MODES = ("nospec", "static", "tide", "tide-always", "tide-recompute")
+POLICY = {"static": "frozen", "tide": "adaptive", "tide-always": "always", "tide-recompute": "adaptive"}
+
+
+@dataclass(frozen=True)
+class ReplayConfig:
+    """The `replay:` section of an experiment file."""
+
+    modes: tuple[str, ...] = MODES
+    static_prompts: int = 32  # prompts of the first phase's set, outside the workload, that train the static draft
+
+    def __post_init__(self) -> None:
+        bad = [m for m in self.modes if m not in MODES]
+        if bad or not self.modes:
+            raise ValueError(f"modes: {bad or 'empty'}: choose from {', '.join(MODES)}")
+        if self.static_prompts < 1:
+            raise ValueError(f"static_prompts: must be >= 1, got {self.static_prompts}")
+
+
+@dataclass
+class ModeRun:
+    mode: str
+    results: list[RequestResult]
+    windows: list[Window]
+    events: list[Any] = field(default_factory=list)
+    store: Path | None = None
+    workload: list[dict[str, Any]] = field(default_factory=list)  # per phase: passes, `until` met
+
+
+def load_experiment(path: Path) -> tuple[TideConfig, WorkloadSpec, ReplayConfig]:
+    """`workload:` (tide.replay), `replay:` and every TideConfig section but `workload`, checked."""
+    spec = load_workload(path)
+    raw = yaml.safe_load(Path(path).read_text())
+    replay = from_dict(ReplayConfig, raw.get("replay") or {}, str(path), "replay")
+    cfg = from_dict(TideConfig, {k: v for k, v in raw.items() if k not in ("workload", "replay")}, str(path))
+    return cfg, spec, replay
+
+
+def run_experiment(path: Path, out: Path, modes: tuple[str, ...] = ()) -> list[ModeRun]:
+    from tide.runtime.processes import bind_serving
+
+    cfg, spec, rc = load_experiment(path)
+    modes = modes or rc.modes
+    bind_serving(cfg.runtime.serve_cores)  # every mode, and the static draft's offline capture and training, on the serving cores
+    target = RunLayout.open(cfg, out / "static").target
+    requests = build_workload(spec, target.path, cfg.serve.max_model_len - spec.max_tokens - 8)
+    log.info("replay: %d requests in %d phases, modes %s", len(requests), len(spec.phases), ", ".join(modes))
+    static = train_static(cfg, spec, rc, out / "static", requests) if set(modes) - {"nospec"} else None
+    runs = []
+    for mode in modes:
+        log.info("replay: mode %s", mode)
+        runs.append(run_mode(cfg, mode, spec, requests, out / mode, static))
+    return runs
+
+
+def mode_config(cfg: TideConfig, mode: str, static: Path | None) -> TideConfig:
+    return dataclasses.replace(
+        cfg, control=dataclasses.replace(cfg.control, policy=POLICY.get(mode, "frozen")),
+        train=dataclasses.replace(cfg.train, signals="recompute" if mode == "tide-recompute" else "captured"),
+        draft=dataclasses.replace(cfg.draft, init=str(static.resolve()) if static else cfg.draft.init),
+        workload=dataclasses.replace(cfg.workload, nospec_baseline=False))
+
+
+def run_mode(cfg: TideConfig, mode: str, spec: WorkloadSpec, requests: list[Request], out: Path,
+             static: Path | None) -> ModeRun:
+    from tide.runtime.processes import local_trainer
+    from tide.runtime.serve_role import serve
+
+    mcfg = mode_config(cfg, mode, static)
+    out.mkdir(parents=True, exist_ok=True)
+    config = out / "config.yaml"
+    config.write_text(yaml.safe_dump(to_dict(mcfg), sort_keys=False))
+    run = RunLayout.open(mcfg, out)
+    concurrency = spec.arrivals.concurrency or 1
+    if mode == "nospec":
+        eng = TideEngine(run.target, mcfg.serve, None, dtype=mcfg.model.dtype)
+        try:
+            results, windows = eng.replay(requests, concurrency, mcfg.runtime.window_s)
+        finally:
+            eng.close()
+        return ModeRun(mode, results, windows)
+    segments = [Segment([r for r in requests if r.workload == p.name], p.until) for p in spec.phases]
+    if mode == "static":
+        s = serve(mcfg, run, segments, None, [], concurrency)
+        return ModeRun(mode, s.results, s.windows, s.events, workload=s.workload)
+    with local_trainer(config, out, mcfg.runtime.train_cores) as transport:
+        s = serve(mcfg, run, segments, transport, [1], concurrency)
+    return ModeRun(mode, s.results, s.windows, s.events, store=run.store, workload=s.workload)
+
+
+def train_static(cfg: TideConfig, spec: WorkloadSpec, rc: ReplayConfig, out: Path, requests: list[Request]) -> Path:
+    """The usual deployment's draft: trained once, offline, on prompts of the first phase's domain
+    that the workload does not contain (their hidden states captured with speculation off)."""
+    from transformers import AutoTokenizer
+
+    from tide.runtime.serve_role import ensure_draft
+
+    done = out / "drafts" / "v1"
+    if (done / "model.safetensors").exists():
+        return done
+    first = spec.phases[0]
+    run = RunLayout.open(cfg, out)
+    used = {r.request_id.split("#")[0] for r in requests}
+    prompts = [p for p in load_prompts(first.dataset, first.path) if p[0] not in used][: rc.static_prompts]
+    if not prompts:
+        raise ConfigError(f"replay.static_prompts: no prompts of '{first.dataset}' left outside the workload")
+    tok = AutoTokenizer.from_pretrained(run.target.path)
+    limit = cfg.serve.max_model_len - first.max_tokens - 8
+    reqs = [Request(f"static-{pid}", chat_ids(tok, text)[-limit:], first.max_tokens, None, first.name)
+            for pid, text in prompts]
+    v0 = ensure_draft(cfg, run)
+    eng = TideEngine(run.target, cfg.serve, run.drafts / f"v{v0}", store_root=run.store,
+                     chunk_tokens=cfg.store.chunk_tokens, dtype=cfg.model.dtype)
+    try:
+        eng.set_speculation(False)  # only the hidden states are wanted
+        eng.replay(reqs, cfg.serve.max_num_seqs, window_s=1e9)
+        eng.flush()
+    finally:
+        eng.close()
+    config = out / "config.yaml"
+    config.write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    cmd = [sys.executable, "-m", "tide.train", "--config", str(config), "--out", str(out), "--json", str(out / "train.json")]
+    with open(out / "trainer.log", "ab") as f:
+        subprocess.run(cmd, check=True, stdout=f, stderr=subprocess.STDOUT)
+    result = json.loads((out / "train.json").read_text())
+    log.info("replay: static draft v%d: held-out AL %.2f after training on %d rows of %s", result["version"],
+             result["al_after"], result["train_tokens"], first.name)
+    return out / "drafts" / f"v{result['version']}"
