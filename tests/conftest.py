@@ -7,14 +7,12 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from cluster.cluster import cluster  # noqa: F401 (the local Slurm cluster, a fixture of the tests that need it)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 LAYER_IDS = (1, 2, 3)
-SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 
 
 @pytest.fixture(scope="session")

@@ -22,8 +22,18 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import tide.model.assets
-from tide.model.assets import (ASSETS, MARKER, AssetError, fetch, main, model_hash, publish_dir, resolve_model,
-                         staging_dir, verify_file)
+from tide.model.assets import (
+    ASSETS,
+    MARKER,
+    AssetError,
+    fetch,
+    main,
+    model_hash,
+    publish_dir,
+    resolve_model,
+    staging_dir,
+    verify_file,
+)
 from tide.model.tiny import VLLM_CPU_HEAD_DIMS, make_tiny_llama
 
 REPO = Path(__file__).resolve().parents[1]

@@ -7,8 +7,19 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from tide.control import CollectAction, CollectionGate, CollectState, Decision, LatencyProfile, RollbackAction, RollbackGate, SpecAction, SpeculationGate, SpeculationObservation
-from tide.config import CollectConfig, SpeculationConfig, RollbackConfig
+from tide.config import CollectConfig, RollbackConfig, SpeculationConfig
+from tide.control import (
+    CollectAction,
+    CollectionGate,
+    CollectState,
+    Decision,
+    LatencyProfile,
+    RollbackAction,
+    RollbackGate,
+    SpecAction,
+    SpeculationGate,
+    SpeculationObservation,
+)
 from tide.draft.acceptance import AcceptanceHistogram
 
 GAMMA = 3
@@ -143,7 +154,8 @@ def test_gate_turns_off_a_useless_cheap_draft_inside_the_band() -> None:
 
 
 def test_gate_comes_back_on_from_a_held_out_estimate() -> None:
-    gate = SpeculationGate(SpeculationConfig(min_steps=100, min_dwell_steps=0, min_dwell_s=0, start_enabled=False), flat())
+    off_at_start = SpeculationConfig(min_steps=100, min_dwell_steps=0, min_dwell_s=0, start_enabled=False)
+    gate = SpeculationGate(off_at_start, flat())
     o = lambda al: SpeculationObservation(1, 1.0, 4, estimate_al=al)  # noqa: E731
     assert gate.decide(o(1.30)).action is SpecAction.STAY  # on bar 1.375
     d = gate.decide(o(1.60))
@@ -179,7 +191,8 @@ def test_hysteresis_does_not_flap_on_al_oscillating_around_break_even() -> None:
     """AL alternates 1.22 / 1.28 around break-even 1.25: both sit inside [1.19, 1.375]."""
     stream = [1.25 + (0.03 if i % 2 else -0.03) for i in range(2000)]
     on = SpeculationGate(NO_DWELL, flat())
-    off = SpeculationGate(SpeculationConfig(min_steps=100, min_dwell_steps=0, min_dwell_s=0, start_enabled=False), flat())
+    off = SpeculationGate(SpeculationConfig(min_steps=100, min_dwell_steps=0, min_dwell_s=0, start_enabled=False),
+                          flat())
     for i, al in enumerate(stream):
         assert on.decide(obs(i, live=al)).action is SpecAction.STAY
         assert off.decide(obs(i, est=al)).action is SpecAction.STAY

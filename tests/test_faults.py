@@ -28,17 +28,17 @@ from pathlib import Path
 import msgpack
 import numpy as np
 import pytest
-
 from cluster.jobs import ci_config, job_processes, rank_pid, run_results, wait_for_line
+
 from tide.cluster import submit
+from tide.cluster.script import JobSpec, load_slurm_config
+from tide.cluster.submit import SlurmError
 from tide.config import load_config
 from tide.draft import DraftRegistry
-from tide.store.layout import RunLayout
 from tide.runtime.messages import PROTOCOL, Heartbeat
 from tide.runtime.transport import SocketTransport
 from tide.store import ChunkMeta, ChunkReader, ChunkWriter, Run
-from tide.cluster.script import JobSpec, load_slurm_config
-from tide.cluster.submit import SlurmError
+from tide.store.layout import RunLayout
 
 ROOT = Path(__file__).resolve().parents[1]
 RUN_WAIT_S = 540  # > ci.yaml's srun_timeout_s (480 s) + 30 s to KILL
@@ -90,8 +90,9 @@ t.close()
 
 def test_mpi_transport_logs_and_drops_messages_it_does_not_understand() -> None:
     """Two ranks under mpirun: rank 1 sends three bad frames and a heartbeat, rank 0 gets the heartbeat."""
-    p = subprocess.run(["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", "2", sys.executable, "-c", MPI_SCRIPT,
-                        *(f.hex() for f in BAD_FRAMES)], capture_output=True, text=True, timeout=120)
+    mpirun = ["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", "2"]
+    p = subprocess.run([*mpirun, sys.executable, "-c", MPI_SCRIPT, *(f.hex() for f in BAD_FRAMES)],
+                       capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stdout + p.stderr
     assert [line for line in p.stdout.splitlines() if line.startswith("GOT ")] == ['GOT [[1, "Heartbeat"]]']
     assert p.stdout.count("LOG transport: dropped a message from rank 1: ") == 3, p.stdout

@@ -60,7 +60,8 @@ def test_a_serving_process_stays_on_its_cores():
     OpenMP thread per serving core), or its team runs on the trainer's core too."""
     code = ("import os, torch; from tide.config import load_config; from tide.runtime.processes import bind_serving; "
             "bind_serving(load_config('configs/ci.yaml').runtime.serve_cores); "
-            "print(sorted(os.sched_getaffinity(0)), torch.get_num_threads(), os.environ['VLLM_ENABLE_V1_MULTIPROCESSING'])")
+            "print(sorted(os.sched_getaffinity(0)), torch.get_num_threads(), "
+            "os.environ['VLLM_ENABLE_V1_MULTIPROCESSING'])")
     p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr[-2000:]
     assert p.stdout.split() == ["[0]", "1", "0"]

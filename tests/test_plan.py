@@ -126,7 +126,7 @@ def test_cli_bad_inventory_exits_2_with_one_line(tmp_path: Path, capsys: pytest.
     f.write_text("speedup: 1.15\nclasses:\n  H100: {count: -8}\n")
     assert main(["--inventory", str(f)]) == 2
     out, err = capsys.readouterr()
-    assert out == "" and err == f"{f}: classes.H100.count: must be >= 0\n"
+    assert out == "" and err == f"tide.plan: error: {f}: classes.H100.count: must be >= 0\n"
     assert main(["--inventory", str(tmp_path / "absent.yaml")]) == 2
     assert capsys.readouterr().err.count("\n") == 1
 
@@ -151,7 +151,8 @@ def test_module_entry_point_and_help(tmp_path: Path) -> None:
                          capture_output=True, text=True)
     assert run.returncode == 2 and run.stdout == ""
     known = "(known: H100, MI300X, MI250)"
-    assert run.stderr == f"{f}: classes.TPU: unknown GPU class; give inference and training figures {known}\n"
+    assert run.stderr.splitlines()[-1] == (f"tide.plan: error: {f}: classes.TPU: unknown GPU class; "
+                                           f"give inference and training figures {known}")
     run = subprocess.run([sys.executable, "-m", "tide.plan", "--help"], cwd=ROOT, capture_output=True, text=True)
     assert run.returncode == 0 and "--inventory" in run.stdout and "train_demand" in run.stdout
 
@@ -345,9 +346,10 @@ def test_cli_simulate_bad_inputs_exit_2_with_one_line(tmp_path: Path, capsys: py
     f.write_text("hidden_size: 4096\nduration_s: 60\nal_aligned: 2\nserving: {tokens_per_s: -1}\n")
     assert main(["simulate", "--scenario", str(f)]) == 2
     out, err = capsys.readouterr()
-    assert out == "" and err == f"{f}: serving.tokens_per_s: must be > 0, got -1.0\n"
+    assert out == "" and err == f"tide.plan simulate: error: {f}: serving.tokens_per_s: must be > 0, got -1.0\n"
     assert main(["simulate", "--scenario", str(CLUSTER), "--set", "training.cont=3"]) == 2
-    assert capsys.readouterr().err == f"{CLUSTER}: training.cont: unknown key; did you mean count?\n"
+    err = capsys.readouterr().err
+    assert err == f"tide.plan simulate: error: {CLUSTER}: training.cont: unknown key; did you mean count?\n"
     assert main(["simulate", "--scenario", str(CLUSTER), "--sweep", "training.count"]) == 2
     assert capsys.readouterr().err.count("\n") == 1
 

@@ -3,9 +3,8 @@
 import torch
 from transformers import AutoModelForCausalLM
 
-from tide.train.recompute import Recompute
 from tide.store import ChunkReader, u16_to_bf16
-from tide.train.recompute import write_recomputed
+from tide.train.recompute import Recompute, write_recomputed
 
 
 def test_rows_equal_a_direct_forward(tiny_target, tiny_requests):
@@ -15,7 +14,8 @@ def test_rows_equal_a_direct_forward(tiny_target, tiny_requests):
     residual = {}  # vLLM aux id i = residual stream after i decoder layers (0 = embeddings)
     hooks = [model.model.embed_tokens.register_forward_hook(lambda m, a, o: residual.__setitem__(0, o))]
     for i, layer in enumerate(model.model.layers):
-        hooks.append(layer.register_forward_hook(lambda m, a, o, i=i: residual.__setitem__(i + 1, o[0] if isinstance(o, tuple) else o)))
+        hooks.append(layer.register_forward_hook(
+            lambda m, a, o, i=i: residual.__setitem__(i + 1, o[0] if isinstance(o, tuple) else o)))
     with torch.no_grad():
         model(input_ids=torch.tensor([toks[:-1]]))
     for h in hooks:

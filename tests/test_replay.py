@@ -72,9 +72,10 @@ def test_recompute_mode_regenerates_the_hidden_states(replay):
 
 def test_bad_experiment_is_one_clear_line(tmp_path):
     bad = tmp_path / "bad.yaml"
-    bad.write_text((ROOT / CONFIG).read_text().replace("static_prompts: 48", "static_prompts: 48\n  modes: [tide, turbo]"))
+    text = (ROOT / CONFIG).read_text()
+    bad.write_text(text.replace("static_prompts: 48", "static_prompts: 48\n  modes: [tide, turbo]"))
     p = subprocess.run([sys.executable, "-m", "workflows.replay", "--config", str(bad), "--out", str(tmp_path / "o")],
                        cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert p.returncode == 2
     last = p.stderr.strip().splitlines()[-1]
-    assert last.startswith(f"tide.replay: error: {bad}: replay: modes: ['turbo']"), last
+    assert last.startswith(f"workflows.replay: error: {bad}: replay: modes: ['turbo']"), last

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import random
 import statistics
+import subprocess
 import sys
 import types
 from pathlib import Path
@@ -13,13 +14,21 @@ import pytest
 import yaml
 
 from tide.config import ConfigError, WorkloadConfig
-from tide.workload import (Arrivals, Phase, WorkloadError, WorkloadSpec, build_workload, draw_requests, load_prompts,
-                         load_workload)
+from tide.workload import (
+    Arrivals,
+    Phase,
+    WorkloadError,
+    WorkloadSpec,
+    build_requests,
+    build_workload,
+    draw_requests,
+    load_prompts,
+    load_workload,
+)
 from tide.workload.arrivals import schedule
-from tide.workload import build_requests
 
 ROOT = Path(__file__).resolve().parents[1]
-DATA = ROOT.parent / "shared" / "data"
+DATA = ROOT / "data"
 HUMANEVAL = str(DATA / "humaneval" / "HumanEval.jsonl.gz")
 SPEC_BENCH = str(DATA / "spec_bench" / "question.jsonl")
 GSM8K = str(DATA / "gsm8k" / "test.jsonl")
@@ -59,7 +68,8 @@ def test_shipped_experiment_workloads_load(name: str, monkeypatch: pytest.Monkey
     ("spec_bench:translation", "spec_bench/question.jsonl", 80, "translation-161", "Translate German to English"),
     ("spec_bench", "spec_bench/question.jsonl", 480, "writing-81", "Compose an engaging travel blog"),
     ("mt_bench:coding", "mt_bench/question.jsonl", 10, "coding-121", "Develop a Python program"),
-    ("sharegpt", "sharegpt/sharegpt_v3_sample500_seed0.json", 500, "dUOQwiS_0", "do you know anything about brownfield"),
+    ("sharegpt", "sharegpt/sharegpt_v3_sample500_seed0.json", 500, "dUOQwiS_0",
+     "do you know anything about brownfield"),
 ])
 def test_loaders_read_the_published_formats(dataset: str, file: str, count: int, first_id: str, start: str) -> None:
     prompts = load_prompts(dataset, str(DATA / file))
@@ -257,3 +267,10 @@ def test_bad_traces_fail_with_one_line(tmp_path: Path, trace: str | None, second
     p = write_experiment(tmp_path / "exp.yaml", phases, {"kind": "trace", "trace": str(path)})
     msg = one_line_error(p)
     assert msg.startswith(f"{p}: ") and expected in msg
+
+
+def test_the_prompt_sets_in_the_repository_match_their_checksums() -> None:
+    p = subprocess.run(["sha256sum", "--check", "--strict", "SHA256SUMS"], cwd=DATA, capture_output=True, text=True)
+    assert p.returncode == 0, p.stdout + p.stderr
+    listed = {line.split(maxsplit=1)[1] for line in (DATA / "SHA256SUMS").read_text().splitlines()}
+    assert listed == {str(f.relative_to(DATA)) for f in DATA.rglob("*") if f.is_file()} - {"SHA256SUMS", "README.md"}

@@ -16,12 +16,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
 from cluster.jobs import ci_config
+
 from tide.config import load_config
-from tide.store.layout import RunLayout
 from tide.runtime.messages import DraftReady, Heartbeat, Message, Shutdown, Train, TrainFailed, TrainProgress
 from tide.store import ChunkWriter, Run, bf16_to_u16
+from tide.store.layout import RunLayout
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -12,18 +12,17 @@ import os
 import numpy as np
 import pytest
 import torch
+from conftest import random_prompts
 
 from tide.config import ServeConfig, TrainConfig
 from tide.draft import DraftRegistry, init_draft, load_draft, save_draft
 from tide.draft.acceptance import AcceptanceHistogram
-from tide.train.recompute import Recompute, write_recomputed
 from tide.serve.engine import Request, TideEngine
 from tide.store import ChunkReader, u16_to_bf16
 from tide.train import DraftTrainer
 from tide.train.data import batches, sequences
 from tide.train.objective import simulate_acceptance
-
-from conftest import random_prompts
+from tide.train.recompute import Recompute, write_recomputed
 
 pytestmark = pytest.mark.vllm
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -104,7 +103,8 @@ def test_lossless_with_trained_head_and_live_matches_offline(engine, drafts, pro
     assert live.acceptance_length > 1.2, live.to_json()  # the trained head really drafts
     # offline top-1 on the hidden states captured for exactly these requests
     engine.flush()
-    runs = [r for r in ChunkReader(root / "live-store", tiny_target.chunk_meta()).load() if r.request_id.startswith("v1-")]
+    runs = ChunkReader(root / "live-store", tiny_target.chunk_meta()).load()
+    runs = [r for r in runs if r.request_id.startswith("v1-")]
     assert {r.request_id for r in runs} == {r.request_id for r in res}
     draft = load_draft(reg.path(1), tiny_target.path).eval()
     offline = simulate_acceptance(draft, batches(sequences(runs, 512), 4096, 3, shuffle=False), 3)
@@ -138,7 +138,8 @@ def test_speculation_off_keeps_capturing(engine, prompts, reference, drafts, tin
     assert sum(sum(w.accept_counts) for w in windows) == 0  # no drafting step at all
     assert all(not w.speculate for w in windows)
     engine.flush()
-    runs = [r for r in ChunkReader(root / "live-store", tiny_target.chunk_meta()).load() if r.request_id.startswith("off-")]
+    runs = ChunkReader(root / "live-store", tiny_target.chunk_meta()).load()
+    runs = [r for r in runs if r.request_id.startswith("off-")]
     assert {r.request_id for r in runs} == {r.request_id for r in res}
     assert all(r.draft_version == -1 for r in runs)
 

@@ -23,15 +23,14 @@ import time
 from pathlib import Path
 
 import pytest
-
 from cluster.jobs import ci_config, run_results
+
 from tide.cluster import commands, script, submit
-from tide.config import ConfigError
-from tide.draft import DraftRegistry
-from tide.draft.acceptance import AcceptanceHistogram
 from tide.cluster.script import JobSpec
 from tide.cluster.submit import Job, SlurmError
-from tide.config import Component, ServeComponent, SlurmConfig, TrainComponent
+from tide.config import Component, ConfigError, ServeComponent, SlurmConfig, TrainComponent
+from tide.draft import DraftRegistry
+from tide.draft.acceptance import AcceptanceHistogram
 
 ROOT = Path(__file__).resolve().parents[1]
 EXPECTED = ROOT / "tests" / "expected" / "hetjob.sbatch"
@@ -133,7 +132,8 @@ def test_cli_dry_run_prints_the_script(tmp_path: Path, capsys: pytest.CaptureFix
     cfg.write_text("slurm:\n  serve: {nodes: 0}\n")
     assert submit.main(["--config", str(cfg), "--out", str(out), "--dry-run"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith(f"{cfg}: slurm") and err.endswith(": Component.nodes: must be >= 1, got 0\n"), err
+    assert err.startswith(f"tide.cluster: error: {cfg}: slurm"), err
+    assert err.endswith(": Component.nodes: must be >= 1, got 0\n"), err
 
 
 def test_submitit_script_is_a_het_job(tmp_path: Path) -> None:
@@ -167,7 +167,8 @@ case $FAKE_MODE in hang) exec sleep 300;; fail) exit 9;; esac
     ("hang", "true", 0, 0, "the ranks are done, srun did not return (Slurm het-step hang)"),
     ("ok", "exit $((SLURM_PROCID == 1 ? 5 : 0))", 0, 5, "serving rank 1 exited 5: stopping the job"),
     ("hang", "[ $SLURM_PROCID = 1 ] && exit 6 || sleep 8", 0, 6, "srun still running 3 s after TERM: killing it"),
-    ("fail", "exit $((SLURM_PROCID == 2 ? 7 : 0))", 0, 0, "training rank 2 exited 7: training degraded, serving goes on"),
+    ("fail", "exit $((SLURM_PROCID == 2 ? 7 : 0))", 0, 0,
+     "training rank 2 exited 7: training degraded, serving goes on"),
     ("ok", "[ $SLURM_PROCID = 2 ] && sleep 8 || true", 0, 0, "serving is done, training ranks still running after 1 s"),
     ("ok", "[ $SLURM_PROCID = 0 ] || sleep 3", 1, 143, "srun still running after 1 s: stopping it"),
 ])
@@ -341,7 +342,8 @@ def test_tide_from_the_standalone_script(cluster: dict[str, str], tmp_path: Path
     logs = [f"--output={tmp_path}/tide-%j.out", f"--error={tmp_path}/tide-%j.err"]
     config, out = ci_config(tmp_path / "ci.yaml", **E2E), tmp_path / "out"
     env = {"TIDE_PYTHON": sys.executable, "TIDE_SRUN_TIMEOUT": "480"}
-    jid = commands.sbatch(STANDALONE, [str(config), str(out)], [*logs, "--time=10", *serve, ":", "--time=10", *train], env)
+    options = [*logs, "--time=10", *serve, ":", "--time=10", *train]
+    jid = commands.sbatch(STANDALONE, [str(config), str(out)], options, env)
     job = Job(jid, tmp_path / f"tide-{jid}.out", tmp_path / f"tide-{jid}.err", out)
     assert submit.wait(job, RUN_WAIT_S).state == "COMPLETED"
     assert re.search(rf"^tide: job {jid}: serving on n[01] \(gpu_infer\), training on n[23] \(gpu_train\)",

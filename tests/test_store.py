@@ -18,8 +18,19 @@ import numpy as np
 import pytest
 import torch
 
-from tide.store import (ChunkError, ChunkMeta, ChunkReader, ChunkWriter, Run, bf16_to_u16, chunk_name,
-                        is_eval, read_chunk, u16_to_bf16, write_chunk)
+from tide.store import (
+    ChunkError,
+    ChunkMeta,
+    ChunkReader,
+    ChunkWriter,
+    Run,
+    bf16_to_u16,
+    chunk_name,
+    is_eval,
+    read_chunk,
+    u16_to_bf16,
+    write_chunk,
+)
 from tide.store import writer as writer_mod
 
 META = ChunkMeta("tiny-target", "abc123", hidden_size=8, layer_ids=(1, 2, 3))  # rows of D = 24

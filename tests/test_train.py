@@ -11,8 +11,8 @@ import yaml
 
 from tide.config import TrainConfig
 from tide.draft import DraftRegistry
-from tide.train.recompute import write_recomputed
 from tide.train import DraftTrainer
+from tide.train.recompute import write_recomputed
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -70,7 +70,8 @@ def test_two_processes_with_torchrun(tiny_target, store, tmp_path):
 
 def test_bad_config_is_one_line(tmp_path):
     (tmp_path / "c.yaml").write_text("train:\n  ttt_depht: 2\n")
-    p = subprocess.run([sys.executable, "-m", "tide.train", "--config", str(tmp_path / "c.yaml"), "--out", str(tmp_path)],
+    cmd = [sys.executable, "-m", "tide.train", "--config", str(tmp_path / "c.yaml"), "--out", str(tmp_path)]
+    p = subprocess.run(cmd,
                        capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert p.returncode == 2
     assert p.stderr.strip().splitlines()[-1] == (f"tide.train: error: {tmp_path / 'c.yaml'}: train.ttt_depht: "

@@ -20,7 +20,8 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from tide.config import ConfigError, TideConfig, load_config
+from tide.cli import parser, run
+from tide.config import TideConfig, load_config
 
 if TYPE_CHECKING:
     pass
@@ -59,15 +60,13 @@ def run_slurm(cfg: TideConfig, config: Path, out: Path, dry_run: bool) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m tide.launch", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = parser("python -m tide.launch", __doc__)
     p.add_argument("--config", required=True, type=Path, help="TIDE YAML config, e.g. configs/local.yaml")
     p.add_argument("--out", type=Path, default=Path("runs/local"), help="run directory (default runs/local)")
     p.add_argument("--executor", choices=("local", "slurm"), default="local")
     p.add_argument("--dry-run", action="store_true", help="print what would run and exit")
-    args = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr)
-    try:
+
+    def body(args: argparse.Namespace) -> int:
         cfg = load_config(args.config)
         if args.executor == "slurm":
             return run_slurm(cfg, args.config, args.out, args.dry_run)
@@ -75,14 +74,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"local: serve + train {cfg.model.target} with {args.config} into {args.out}")
             return 0
         summary = run_local(cfg, args.config, args.out)
-    except (ConfigError, ValueError) as e:
-        print(f"tide.launch: error: {e}", file=sys.stderr)
-        return 2
-    keys = ("al_start", "al_end", "swaps", "tokens_per_s_start", "tokens_per_s_end", "nospec_tokens_per_s",
-            "speedup_end_over_nospec")
-    print(json.dumps({k: summary[k] for k in keys}, indent=1))
-    log.info("results in %s (summary.json, acceptance.png)", args.out)
-    return 0
+        keys = ("al_start", "al_end", "swaps", "tokens_per_s_start", "tokens_per_s_end", "nospec_tokens_per_s",
+                "speedup_end_over_nospec")
+        print(json.dumps({k: summary[k] for k in keys}, indent=1))
+        log.info("results in %s (summary.json, acceptance.png)", args.out)
+        return 0
+
+    return run(p, body, argv)
 
 
 if __name__ == "__main__":

@@ -17,9 +17,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+from tide.cli import parser, run
 from tide.cluster.commands import ACTIVE, cancel, job_states, sbatch
 from tide.cluster.script import JobSpec, load_slurm_config, render_hetjob_script
-from tide.config import ConfigError
 from tide.model.files import write_text
 
 if TYPE_CHECKING:  # submitit (the `hpc` extra) is imported only by executor "slurm", in tide.cluster.submitit_het
@@ -131,28 +131,26 @@ def wait(job: Job, timeout: float, progress: bool = True, poll_s: float = 1.0) -
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m tide.cluster --config C --out O [--executor slurm|sbatch] [--dry-run] [--timeout S]`."""
-    ap = argparse.ArgumentParser(prog="python -m tide.cluster", description="Submit TIDE as one Slurm het job.")
-    ap.add_argument("--config", required=True)
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--executor", choices=["slurm", "sbatch"], default="slurm")
-    ap.add_argument("--dry-run", action="store_true", help="print the batch script, submit nothing")
-    ap.add_argument("--timeout", type=float, default=0, help="seconds to wait; 0 = submit and return")
-    args = ap.parse_args(argv)
+    p = parser("python -m tide.cluster", "Submit TIDE as one Slurm het job, sized by the config's `slurm:` section.")
+    p.add_argument("--config", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--executor", choices=["slurm", "sbatch"], default="slurm")
+    p.add_argument("--dry-run", action="store_true", help="print the batch script, submit nothing")
+    p.add_argument("--timeout", type=float, default=0, help="seconds to wait; 0 = submit and return")
 
-    try:
+    def body(args: argparse.Namespace) -> int:
         spec = JobSpec.for_runtime(load_slurm_config(args.config), args.config, args.out)
-    except ConfigError as e:
-        print(e, file=sys.stderr)
-        return 2
-    if args.dry_run:
-        print(dry_run(spec, args.executor))
+        if args.dry_run:
+            print(dry_run(spec, args.executor))
+            return 0
+        job = submit(spec, args.executor)
+        print(f"tide.cluster: submitted job {job.job_id}; log {job.stdout}")
+        if args.timeout:
+            try:
+                print(wait(job, args.timeout))
+            except SlurmError as e:
+                print(e, file=sys.stderr)
+                return 1
         return 0
-    job = submit(spec, args.executor)
-    print(f"tide.cluster: submitted job {job.job_id}; log {job.stdout}")
-    if args.timeout:
-        try:
-            print(wait(job, args.timeout))
-        except SlurmError as e:
-            print(e, file=sys.stderr)
-            return 1
-    return 0
+
+    return run(p, body, argv)

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import shlex
 import time
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import submitit
 from submitit.slurm.slurm import SlurmInfoWatcher, SlurmJob
@@ -47,7 +48,8 @@ class HetSlurmExecutor(submitit.SlurmExecutor):
     Component 0 is set with `update_parameters` as usual; `het_components` lists the sbatch options of
     components 1..N. The text gains `#SBATCH hetjob` sections; srun runs over every het group (one
     MPI_COMM_WORLD) through `tide_step` (tide.cluster.script.STEP_GUARD); the task count covers every
-    component, so `results()` returns one result per rank. Ranks find their pickle because SLURM_JOB_ID is the leader's id on every rank.
+    component, so `results()` returns one result per rank. Ranks find their pickle because SLURM_JOB_ID is the
+    leader's id on every rank.
     Per-rank logs cannot use srun's `--output F/%j_%t_log.out`: in a het step srun expands %j to the
     component's own job id (no such folder: "could not connect IO") and %t, for component 1, to the
     global rank + 1. Each rank appends to F/${SLURM_JOB_ID}_${SLURM_PROCID}_log.{out,err} instead,

@@ -4,10 +4,26 @@ Nothing here imports another TIDE module: every other part reads its section fro
 """
 
 from tide.config.loader import ConfigError, from_dict, load_config, to_dict
-from tide.config.schema import (CollectConfig, Component, ControlConfig, DraftConfig, ModelConfig, RollbackConfig,
-                                RuntimeConfig, ServeComponent, ServeConfig, SlurmConfig, SpeculationConfig,
-                                StoreConfig, TideConfig, TrainComponent, TrainConfig, UntilConfig, WorkloadConfig,
-                                check)
+from tide.config.schema import (
+                                CollectConfig,
+                                Component,
+                                ControlConfig,
+                                DraftConfig,
+                                ModelConfig,
+                                RollbackConfig,
+                                RuntimeConfig,
+                                ServeComponent,
+                                ServeConfig,
+                                SlurmConfig,
+                                SpeculationConfig,
+                                StoreConfig,
+                                TideConfig,
+                                TrainComponent,
+                                TrainConfig,
+                                UntilConfig,
+                                WorkloadConfig,
+                                check,
+)
 
 __all__ = [
     "CollectConfig", "Component", "ConfigError", "ControlConfig", "DraftConfig", "ModelConfig", "RollbackConfig",

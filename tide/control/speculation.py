@@ -81,7 +81,7 @@ class LatencyProfile:
         return {"points": [list(p) for p in self.points], "draft_step_s": self.draft_step_s, "gamma": self.gamma}
 
     @classmethod
-    def from_json(cls, d: dict) -> "LatencyProfile":
+    def from_json(cls, d: dict) -> LatencyProfile:
         return cls(tuple((int(n), float(t)) for n, t in d["points"]), float(d["draft_step_s"]), int(d["gamma"]))
 
 
@@ -153,7 +153,8 @@ class SpeculationGate:
         if self.enabled and al >= bar:  # inside the band, but surely below break-even: a loss, however small
             why = f"live AL {al:.2f} < {where} by more than {cfg.z:g} standard errors over {steps} steps ({speedup})"
         else:
-            why = f"{src} AL {al:.2f} {cmp} {bar:.2f} = (1 {sign} {margin:.2f}) x {where} over {steps} steps ({speedup})"
+            why = (f"{src} AL {al:.2f} {cmp} {bar:.2f} = (1 {sign} {margin:.2f}) x {where} over {steps} steps "
+                   f"({speedup})")
         dwell_steps, dwell_s = obs.step - self._since[0], obs.time_s - self._since[1]
         if dwell_steps < cfg.min_dwell_steps or dwell_s < cfg.min_dwell_s:
             return Decision(SpecAction.STAY, f"{why}, but only {dwell_steps} steps / {dwell_s:.1f} s since the "

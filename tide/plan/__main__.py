@@ -9,10 +9,9 @@ import json
 import os
 import sys
 from pathlib import Path
-
 from typing import Any
 
-from tide.config import ConfigError
+from tide.cli import parser, run
 from tide.plan.planner import Inventory, Plan, load_inventory, plan
 
 
@@ -44,10 +43,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["simulate"]:
         return simulate_main(argv[1:])
-    ap = argparse.ArgumentParser(
-        prog="python -m tide.plan",
-        description="Split a GPU inventory between serving and draft training; predict throughput "
-                    "against using every GPU for plain inference.",
+    ap = parser(
+        "python -m tide.plan",
+        "Split a GPU inventory between serving and draft training; predict throughput "
+        "against using every GPU for plain inference.",
         epilog="Inventory YAML: speedup (s sustained by an aligned draft), train_demand (MI250-training "
                "units; 0 or left out = default_train_demand, 1.0), classes: NAME: {count, inference?, "
                "training?}; figures default to the paper's for H100, MI300X, MI250 (MI250 = 1). "
@@ -56,27 +55,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--inventory", required=True, metavar="FILE",
                     help="inventory YAML, e.g. configs/inventory/h100x8_mi250x4.yaml")
     ap.add_argument("--json", metavar="OUT", type=Path, help="also write the plan as JSON here")
-    args = ap.parse_args(argv)
-    try:
+
+    def body(args: argparse.Namespace) -> None:
         inv = load_inventory(args.inventory)
-    except ConfigError as e:
-        print(e, file=sys.stderr)
-        return 2
-    p = plan(inv)
-    print(format_plan(inv, p))
-    if args.json:
-        write_json(args.json, {**dataclasses.asdict(p), "classes": [dataclasses.asdict(g) for g in inv.gpus]})
-    return 0
+        p = plan(inv)
+        print(format_plan(inv, p))
+        if args.json:
+            write_json(args.json, {**dataclasses.asdict(p), "classes": [dataclasses.asdict(g) for g in inv.gpus]})
+
+    return run(ap, body, argv)
 
 
 def simulate_main(argv: list[str]) -> int:
     """Parse -> scenario (with --set) -> one run, a sweep, or a comparison with a measured run ->
     print, write JSON and plot. Exit 2 on a bad scenario, override or measured file."""
-    from tide.plan import simreport
-
-    ap = argparse.ArgumentParser(
-        prog="python -m tide.plan simulate",
-        description="Discrete-event model of the TIDE loop at cluster scale: serving instances whose "
+    ap = parser(
+        "python -m tide.plan simulate",
+        "Discrete-event model of the TIDE loop at cluster scale: serving instances whose "
                     "throughput follows the live acceptance length (Eq. 5), capture of 6H+9 bytes per kept "
                     "row into a store whose write bandwidth saturates with writers, trainers that run a "
                     "cycle every N_threshold stored rows, deploys that lift acceptance along a recovery "
@@ -106,19 +101,22 @@ def simulate_main(argv: list[str]) -> int:
     ap.add_argument("--json", metavar="OUT", type=Path, help="also write the figures (and timeline) as JSON")
     ap.add_argument("--plot", metavar="OUT.png", type=Path,
                     help="plot the timeline (one run) or the sweep's answers (with --sweep)")
-    args = ap.parse_args(argv)
+    return run(ap, simulate, argv)
+
+
+def simulate(args: argparse.Namespace) -> int:
+    from tide.plan import simreport
+
     if args.sweep and args.measured:
-        print("--measured compares one run with a measurement: leave out --sweep", file=sys.stderr)
-        return 2
+        raise ValueError("--measured compares one run with a measurement: leave out --sweep")
+    sets = [(k, v[0]) for k, v in (simreport.parse_assignment(a, "--set") for a in args.set)]
+    sweep = simreport.parse_assignment(args.sweep, "--sweep") if args.sweep else None
+    scenarios = [simreport.with_overrides(args.scenario, sets + [(sweep[0], v)]) for v in sweep[1]] \
+        if sweep else [simreport.with_overrides(args.scenario, sets)]
     try:
-        sets = [(k, v[0]) for k, v in (simreport.parse_assignment(a, "--set") for a in args.set)]
-        sweep = simreport.parse_assignment(args.sweep, "--sweep") if args.sweep else None
-        scenarios = [simreport.with_overrides(args.scenario, sets + [(sweep[0], v)]) for v in sweep[1]] \
-            if sweep else [simreport.with_overrides(args.scenario, sets)]
         measured = json.loads(args.measured.read_text()) if args.measured else None
-    except (ConfigError, OSError, ValueError) as e:
-        print(e if isinstance(e, ConfigError) else f"{args.measured}: cannot read: {e}", file=sys.stderr)
-        return 2
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{args.measured}: cannot read: {e}") from None
     data: dict[str, Any] = {"scenario_file": args.scenario, "set": args.set}
     if sweep:
         rows = [simreport.sweep_row(v, simreport.summarize(s)[0]) for v, s in zip(sweep[1], scenarios)]

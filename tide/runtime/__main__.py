@@ -15,7 +15,11 @@ import socket
 import sys
 from pathlib import Path
 
-from tide.config import ConfigError, load_config
+from tide.cli import parser, run
+from tide.config import load_config
+from tide.runtime.processes import bind_cores, bind_serving
+from tide.runtime.trainer_role import run_trainer
+from tide.runtime.transport import MPITransport, SocketTransport
 from tide.store.layout import RunLayout
 
 
@@ -56,39 +60,33 @@ def trainer_group_env(comm, n0: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m tide.runtime", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = parser("python -m tide.runtime", __doc__)
     p.add_argument("--config", required=True, type=Path)
     p.add_argument("--out", required=True, type=Path)
     p.add_argument("--fd", type=int, help="(local) socket to the coordinator: run as the trainer")
     p.add_argument("--cores", default="", help="(local) CPU cores for this process, e.g. '1' or '2-3'")
-    args = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr)
-    try:
-        cfg = load_config(args.config)
-        run = RunLayout.open(cfg, args.out)
-    except (ConfigError, ValueError) as e:
-        print(f"tide.runtime: error: {e}", file=sys.stderr)
-        return 2
-    from tide.runtime.processes import bind_cores, bind_serving
-    from tide.runtime.trainer_role import run_trainer
-    from tide.runtime.transport import MPITransport, SocketTransport
+    return run(p, rank, argv)
 
+
+def rank(args: argparse.Namespace) -> int:
+    """Open the run (a bad config or store stops every rank with one line), then be this rank."""
+    cfg = load_config(args.config)
+    run_dir = RunLayout.open(cfg, args.out)
     if args.fd is not None:
         bind_cores(args.cores)
-        run_trainer(cfg, run, SocketTransport(socket.socket(fileno=args.fd), rank=1, peer=0))
+        run_trainer(cfg, run_dir, SocketTransport(socket.socket(fileno=args.fd), rank=1, peer=0))
         return 0
     transport = MPITransport()
     n0, n1 = het_layout(transport.rank, transport.size)
     if transport.rank >= n0:
         bind_cores(args.cores, slurm_cpus(1))
         trainer_group_env(transport.comm, n0)
-        run_trainer(cfg, run, transport)
+        run_trainer(cfg, run_dir, transport)
     elif transport.rank == 0:
-        from tide.runtime.serve_role import run_coordinator
+        from tide.runtime.serve_role import run_coordinator  # imports vLLM: after bind_serving's environment
 
         bind_serving(args.cores, slurm_cpus(0))
-        run_coordinator(cfg, run, transport, list(range(n0, n0 + n1)))
+        run_coordinator(cfg, run_dir, transport, list(range(n0, n0 + n1)))
     else:
         logging.getLogger(__name__).warning("rank %d: only rank 0 serves in this version; idle", transport.rank)
     transport.close()

@@ -19,10 +19,18 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tide.config import TideConfig
-from tide.control import (CollectAction, CollectionGate, Decision, RollbackAction, RollbackGate,
-                          SpecAction, SpeculationGate, SpeculationObservation)
+from tide.control import (
+    CollectAction,
+    CollectionGate,
+    Decision,
+    RollbackAction,
+    RollbackGate,
+    SpecAction,
+    SpeculationGate,
+    SpeculationObservation,
+)
 from tide.draft.acceptance import AcceptanceHistogram
-from tide.runtime.messages import (Deploy, DraftReady, Heartbeat, Shutdown, Train, TrainFailed, TrainProgress)
+from tide.runtime.messages import DraftReady, Heartbeat, Shutdown, Train, TrainFailed, TrainProgress
 from tide.runtime.transport import Transport
 from tide.serve.engine import RequestResult, TideEngine, Window
 
@@ -40,9 +48,9 @@ class Event:
 
 class Coordinator:
     def __init__(self, cfg: TideConfig, engine: TideEngine, transport: Transport | None,
-                 trainer_ranks: list[int], peer_inference_ranks: list[int] = (), drafts_root: str = "") -> None:
+                 trainer_ranks: list[int], drafts_root: str = "") -> None:
         self.cfg, self.engine, self.transport = cfg, engine, transport
-        self.trainer_ranks, self.peers = list(trainer_ranks), list(peer_inference_ranks)
+        self.trainer_ranks = list(trainer_ranks)
         self.policy = cfg.control.policy
         self.collect = CollectionGate(cfg.control.collect)
         self.rollback = RollbackGate(cfg.control.rollback, engine.gamma)
@@ -52,7 +60,7 @@ class Coordinator:
         self._estimate_al: float | None = None  # held-out AL of the live draft, from its training cycle
         self.events: list[Event] = []
         self.eval_al: dict[int, float] = {engine.version: float("nan")}
-        self.cycle = 0
+        self.cycles_asked = 0
         self.in_flight: tuple[int, float] | None = None  # (cycle, when asked) until its answer comes
         self.progress: TrainProgress | None = None  # of the cycle in flight
         self.trainer_seen = time.time()
@@ -222,12 +230,12 @@ class Coordinator:
         """Train on the chunks written since collection started (all of them, up to when the trainer
         reads): rows from before a shift would teach the draft the old workload and, in the eval split,
         hide whether it learned the new one."""
-        self.cycle += 1
-        self.in_flight, self.progress = (self.cycle, time.time()), None
+        self.cycles_asked += 1
+        self.in_flight, self.progress = (self.cycles_asked, time.time()), None
         for r in self.trainer_ranks:
-            self.transport.send(r, Train(self.cycle, self.cfg.store.retention_tokens, self._since_ns,  # type: ignore[union-attr]
+            self.transport.send(r, Train(self.cycles_asked, self.cfg.store.retention_tokens, self._since_ns,  # type: ignore[union-attr]
                                          self.engine.version, reason))
-        self.record("train", reason, data_cycle=self.cycle)
+        self.record("train", reason, data_cycle=self.cycles_asked)
 
     def _deploy(self, version: int, reason: str) -> None:
         previous = self.engine.version
@@ -248,8 +256,6 @@ class Coordinator:
             return False
         self.record("swap", f"hot-swapped in {pause:.1f} ms", version, pause_ms=pause)
         self._swapped_in_window = True
-        for r in self.peers:
-            self.transport.send(r, Deploy(version, path))  # type: ignore[union-attr]
         if self.gate is None and not self.engine.speculate:  # no gate: a new draft always speculates
             self.engine.set_speculation(True)
         self._live.clear()
@@ -279,5 +285,5 @@ class Coordinator:
             self._apply(self.collect.on_training_failed("trainer down"))
 
     def shutdown(self, reason: str) -> None:
-        for r in self.trainer_ranks + self.peers:
+        for r in self.trainer_ranks:
             self.transport.send(r, Shutdown(reason))  # type: ignore[union-attr]

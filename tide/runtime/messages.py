@@ -1,7 +1,7 @@
 """Small typed messages between roles, encoded with msgpack (never pickle).
 
-Messages are the doorbell; files are the truth: a `ChunkReady` names a chunk file, a `DraftReady`
-a published draft dir. Nothing bulky ever travels in a message. Every message carries the protocol
+Messages are the doorbell; files are the truth: a `Train` names the chunks to read by time, a
+`DraftReady` a published draft dir. Nothing bulky ever travels in a message. Every message carries the protocol
 version; a receiver drops (and logs) a message of an unknown kind or version instead of failing, so
 roles of different releases degrade to "not understood", never to a crash.
 """
@@ -10,28 +10,10 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Union
 
 import msgpack
 
 PROTOCOL = 3  # bump when a message changes incompatibly
-
-
-@dataclass(frozen=True)
-class ChunkReady:
-    path: str
-    tokens: int
-
-
-@dataclass(frozen=True)
-class Stats:
-    t: float
-    acceptance_length: float
-    tokens_per_s: float
-    batch: float
-    version: int
-    speculate: bool
-    stored_tokens: int
 
 
 @dataclass(frozen=True)
@@ -74,18 +56,6 @@ class TrainFailed:
 
 
 @dataclass(frozen=True)
-class Deploy:
-    version: int
-    path: str
-
-
-@dataclass(frozen=True)
-class SpeculationMode:
-    on: bool
-    reason: str
-
-
-@dataclass(frozen=True)
 class Heartbeat:
     role: str
     rank: int
@@ -97,8 +67,7 @@ class Shutdown:
     reason: str
 
 
-Message = Union[ChunkReady, Stats, Train, TrainProgress, DraftReady, TrainFailed, Deploy, SpeculationMode,
-                Heartbeat, Shutdown]
+Message = Train | TrainProgress | DraftReady | TrainFailed | Heartbeat | Shutdown
 TYPES: dict[str, type] = {t.__name__: t for t in Message.__args__}  # type: ignore[attr-defined]
 
 

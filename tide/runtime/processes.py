@@ -22,7 +22,7 @@ log = logging.getLogger(__name__)
 
 
 @contextlib.contextmanager
-def local_trainer(config: Path, out: Path, cores: str) -> Iterator["SocketTransport"]:
+def local_trainer(config: Path, out: Path, cores: str) -> Iterator[SocketTransport]:
     """A trainer process (`python -m tide.runtime --fd`) on `cores`, joined to this one by a socket
     pair; its log is out/trainer.log. On exit it gets two minutes to finish, then is killed."""
     out.mkdir(parents=True, exist_ok=True)

@@ -10,12 +10,12 @@ from typing import Any
 
 from tide.config import TideConfig, to_dict
 from tide.draft import DraftRegistry, init_draft, save_draft
-from tide.store.layout import RunLayout
 from tide.model.files import write_json, write_jsonl
-from tide.runtime.results import plot_run, segment
 from tide.runtime.coordinator import Coordinator, Event
+from tide.runtime.results import plot_run, segment
 from tide.runtime.transport import Transport
 from tide.serve.engine import Request, RequestResult, TideEngine, Window
+from tide.store.layout import RunLayout
 from tide.workload import RequestSource, Segment, build_requests
 
 log = logging.getLogger(__name__)

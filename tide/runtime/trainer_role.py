@@ -14,9 +14,9 @@ import threading
 import time
 
 from tide.config import TideConfig
-from tide.store.layout import RunLayout
 from tide.runtime.messages import DraftReady, Heartbeat, Shutdown, Train, TrainFailed, TrainProgress
 from tide.runtime.transport import Transport
+from tide.store.layout import RunLayout
 
 log = logging.getLogger(__name__)
 PROGRESS_S = 1.0  # at most one TrainProgress a second while training steps run

@@ -11,9 +11,10 @@ import itertools
 import logging
 import os
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterable
+from typing import TYPE_CHECKING, Any
 
 from tide.config import ServeConfig
 from tide.draft.acceptance import AcceptanceHistogram
@@ -165,7 +166,7 @@ class TideEngine:
             self.rpc("tide_close")
         self.engine.engine_core.shutdown()
 
-    def profile(self, max_batch: int, repeats: int = 5) -> "LatencyProfile":
+    def profile(self, max_batch: int, repeats: int = 5) -> LatencyProfile:
         """Measure the speculation gate's latencies through this engine, before serving.
 
         T(n): one step over n new tokens (a prompt of n tokens, speculation off), for n = 1, 2, 4 ...
@@ -258,7 +259,7 @@ class TideEngine:
         return results
 
     def replay(self, requests: Iterable[Request], concurrency: int = 1, window_s: float = 10.0,
-               between_steps: Callable[["TideEngine", float], None] | None = None,
+               between_steps: Callable[[TideEngine, float], None] | None = None,
                on_window: Callable[[Window], None] | None = None,
                on_result: Callable[[RequestResult], None] | None = None) -> tuple[list[RequestResult], list[Window]]:
         """Serve `requests` (in arrival order; read lazily): timed ones at their arrival, the rest as a
@@ -273,7 +274,7 @@ class TideEngine:
         nxt = next(source, None)
         results: list[RequestResult] = []
         windows: list[Window] = []
-        win = _WindowAcc(0.0)
+        win = _OpenWindow(0.0)
         self.stats(reset=True)
         while nxt is not None or self._live:
             t = now()
@@ -295,11 +296,13 @@ class TideEngine:
                 windows.append(win.close(now(), self))
                 if on_window:
                     on_window(windows[-1])
-                win = _WindowAcc(now())
+                win = _OpenWindow(now())
         return results, windows
 
 
-class _WindowAcc:
+class _OpenWindow:
+    """The window being filled, step by step; `close` makes it a `Window`."""
+
     def __init__(self, t_start: float) -> None:
         self.t_start, self.tokens, self.steps, self.batch_sum = t_start, 0, 0, 0
 

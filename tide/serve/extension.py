@@ -204,8 +204,10 @@ class TideWorkerExtension:
         """
         from safetensors.torch import load_file
         from vllm.config import set_current_vllm_config
-        from vllm.model_executor.model_loader.reload.layerwise import (finalize_layerwise_reload,
-                                                                         initialize_layerwise_reload)
+        from vllm.model_executor.model_loader.reload.layerwise import (
+            finalize_layerwise_reload,
+            initialize_layerwise_reload,
+        )
 
         t0 = time.perf_counter()
         weights = load_file(f"{draft_dir}/model.safetensors")

@@ -4,8 +4,18 @@ Writers (`ChunkWriter`, on the serving side) never block the engine; readers (`C
 the trainer side) verify every file and skip bad ones. See `chunk.py` for the file schema.
 """
 
-from tide.store.chunk import (FORMAT_VERSION, ChunkError, ChunkMeta, Run, bf16_to_u16, chunk_name, read_chunk,
-                              read_header, u16_to_bf16, write_chunk)
+from tide.store.chunk import (
+                              FORMAT_VERSION,
+                              ChunkError,
+                              ChunkMeta,
+                              Run,
+                              bf16_to_u16,
+                              chunk_name,
+                              read_chunk,
+                              read_header,
+                              u16_to_bf16,
+                              write_chunk,
+)
 from tide.store.reader import ChunkReader, is_eval
 from tide.store.writer import ChunkWriter
 

@@ -25,7 +25,7 @@ class RunLayout:
     drafts: Path
 
     @classmethod
-    def open(cls, cfg: TideConfig, out: Path, fetch: bool = True) -> "RunLayout":
+    def open(cls, cfg: TideConfig, out: Path, fetch: bool = True) -> RunLayout:
         """Resolve the target model (fetching a registered asset if needed) and the run's dirs, and
         check the store (see `check_store`)."""
         from tide.model.assets import resolve_model
@@ -56,8 +56,9 @@ class RunLayout:
         row = self.target.chunk_meta().row_bytes
         need = MIN_FREE_CHUNKS * cfg.chunk_tokens * row
         if free < need:
-            raise ValueError(f"store.path: {self.store} has {free / 2**20:.1f} MiB free; {MIN_FREE_CHUNKS} chunks of "
-                             f"{cfg.chunk_tokens} tokens need {need / 2**20:.1f} MiB: free some space or move the store")
+            raise ValueError(f"store.path: {self.store} has {free / 2**20:.1f} MiB free; {MIN_FREE_CHUNKS} chunks "
+                             f"of {cfg.chunk_tokens} tokens need {need / 2**20:.1f} MiB: free some space or move "
+                             "the store")
         if free < cfg.retention_tokens * row:
             log.warning("store.path: %s has %.2f GiB free, the retention window of %d tokens needs %.2f GiB: "
                         "capture will pause whenever the disk is full", self.store, free / 2**30,

@@ -19,8 +19,17 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from tide.store.chunk import (SUFFIX, ChunkError, ChunkMeta, Run, check_run, chunk_name, chunk_time_ns,
-                              read_header, write_chunk)
+from tide.store.chunk import (
+    SUFFIX,
+    ChunkError,
+    ChunkMeta,
+    Run,
+    check_run,
+    chunk_name,
+    chunk_time_ns,
+    read_header,
+    write_chunk,
+)
 
 log = logging.getLogger(__name__)
 FULL = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM}  # errnos that pause capture

@@ -9,40 +9,37 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import sys
 from pathlib import Path
 
-from tide.config import ConfigError, load_config
+from tide.cli import parser, run
+from tide.config import load_config
 from tide.store.layout import RunLayout
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m tide.train", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = parser("python -m tide.train", __doc__)
     p.add_argument("--config", required=True, type=Path, help="TIDE YAML config (sections model, draft, store, train)")
     p.add_argument("--out", required=True, type=Path, help="run dir holding store/ and drafts/")
     p.add_argument("--window-tokens", type=int, default=0, help="newest stored tokens to train on (0 = all)")
     p.add_argument("--json", type=Path, help="also write the cycle's result to this file")
-    args = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr)
-    try:
-        cfg = load_config(args.config)
-        run = RunLayout.open(cfg, args.out)
-    except (ConfigError, ValueError) as e:
-        print(f"tide.train: error: {e}", file=sys.stderr)
-        return 2
-    from tide.train import DraftTrainer
 
-    trainer = DraftTrainer.from_config(cfg, run)
-    result = trainer.cycle(args.window_tokens or None)
-    if trainer.rank == 0:
-        text = json.dumps(result.to_json() if result else None, indent=1)
-        print(text)
-        if args.json:
-            args.json.write_text(text)
-    trainer.shutdown()
-    return 0 if result else 1
+    def body(args: argparse.Namespace) -> int:
+        cfg = load_config(args.config)
+        run_dir = RunLayout.open(cfg, args.out)
+        from tide.train import DraftTrainer  # DeepSpeed: after the config is known to be good
+
+        trainer = DraftTrainer.from_config(cfg, run_dir)
+        result = trainer.cycle(args.window_tokens or None)
+        if trainer.rank == 0:
+            text = json.dumps(result.to_json() if result else None, indent=1)
+            print(text)
+            if args.json:
+                args.json.write_text(text)
+        trainer.shutdown()
+        return 0 if result else 1
+
+    return run(p, body, argv)
 
 
 if __name__ == "__main__":

@@ -60,7 +60,7 @@ class Batch:
     t0: int  # first start whose unrolled steps can reach an output token
     num_tokens: int  # real rows
 
-    def to(self, device: torch.device | str) -> "Batch":
+    def to(self, device: torch.device | str) -> Batch:
         return Batch(self.aux.to(device), self.tokens.to(device), self.target_ok.to(device), self.t0, self.num_tokens)
 
 

@@ -14,8 +14,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from tide.store import ChunkWriter, Run, bf16_to_u16
 from tide.model.target import Target
+from tide.store import ChunkWriter, Run, bf16_to_u16
 from tide.train.precision import cpu_has_bf16
 
 
@@ -41,7 +41,8 @@ class Recompute:
         """The chunk run of one finished request: rows of every token but the last."""
         toks = list(prompt_ids) + list(output_ids)
         n = len(toks) - 1
-        return Run(request_id=request_id, tokens=np.asarray(toks[:-1], np.int32), positions=np.arange(n, dtype=np.int32),
+        return Run(request_id=request_id, tokens=np.asarray(toks[:-1], np.int32),
+                   positions=np.arange(n, dtype=np.int32),
                    hidden=bf16_to_u16(self.rows(toks)), is_output=np.arange(n) >= len(prompt_ids), workload=workload)
 
 

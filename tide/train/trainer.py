@@ -14,20 +14,21 @@ import math
 import os
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from tide.config import TideConfig, TrainConfig
 from tide.draft import DraftRegistry, Eagle3Draft, init_draft, load_draft, set_vocab, target_heads
-from tide.store import ChunkMeta, ChunkReader, Run, bf16_to_u16, is_eval
 from tide.model.target import Target
-from tide.train.precision import use_bf16
+from tide.store import ChunkMeta, ChunkReader, Run, bf16_to_u16, is_eval
 from tide.train.data import Batch, Sequence, batches, sequences
 from tide.train.objective import simulate_acceptance, ttt_loss
+from tide.train.precision import use_bf16
 
 if TYPE_CHECKING:
     from tide.store.layout import RunLayout
@@ -138,7 +139,7 @@ class DraftTrainer:
         self.recompute_s = 0.0
 
     @classmethod
-    def from_config(cls, cfg: "TideConfig", run: "RunLayout") -> "DraftTrainer":
+    def from_config(cls, cfg: TideConfig, run: RunLayout) -> DraftTrainer:
         return cls(cfg.train, run.target.path, run.store, run.drafts, expect=run.target.chunk_meta(),
                    aux_layer_ids=run.target.layer_ids, draft_vocab_size=cfg.draft.draft_vocab_size,
                    eval_fraction=cfg.store.eval_fraction, init_dir=cfg.draft.init)
@@ -273,4 +274,5 @@ def _barrier() -> None:
 def _progress(total: int, show: bool):
     from tqdm import tqdm
 
-    return tqdm(total=total, desc="train", unit="step", disable=not show, leave=False, dynamic_ncols=True, mininterval=2.0)
+    return tqdm(total=total, desc="train", unit="step", disable=not show, leave=False, dynamic_ncols=True,
+                mininterval=2.0)

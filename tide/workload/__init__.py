@@ -2,8 +2,15 @@
 the request source that repeats a segment until the loop has done what a run waits for."""
 
 from tide.workload.arrivals import Arrivals
-from tide.workload.phases import (Phase, TextRequest, WorkloadSpec, build_workload, check_workload, draw_requests,
-                                  load_workload)
+from tide.workload.phases import (
+                                  Phase,
+                                  TextRequest,
+                                  WorkloadSpec,
+                                  build_workload,
+                                  check_workload,
+                                  draw_requests,
+                                  load_workload,
+)
 from tide.workload.prompts import WorkloadError, load_prompts
 from tide.workload.source import RequestSource, Segment, build_requests
 

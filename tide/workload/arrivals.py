@@ -16,8 +16,9 @@ from __future__ import annotations
 import json
 import math
 import random
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Iterator, Literal, Sequence
+from typing import Literal
 
 from tide.workload.prompts import WorkloadError
 

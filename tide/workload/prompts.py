@@ -15,8 +15,9 @@ import functools
 import gzip
 import json
 import os
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 from tide.config import ConfigError
 

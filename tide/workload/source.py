@@ -19,10 +19,10 @@ from pathlib import Path
 from typing import Any
 
 from tide.config import UntilConfig, WorkloadConfig
+from tide.serve.engine import Request, RequestResult
 from tide.workload.arrivals import Arrivals
 from tide.workload.phases import Phase, WorkloadSpec, build_workload
 from tide.workload.prompts import WorkloadError, load_prompts
-from tide.serve.engine import Request, RequestResult
 
 log = logging.getLogger(__name__)
 

@@ -4,13 +4,14 @@ writes its figures as JSON; docs/BENCHMARKS.md records them with command, machin
 from __future__ import annotations
 
 import argparse
-import logging
 import platform
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
+from tide.cli import parser, run
 from tide.model.files import write_json
 
 BENCHES: dict[str, str] = {
@@ -36,18 +37,20 @@ def machine() -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m workflows.bench", description=__doc__)
+    p = parser("python -m workflows.bench", __doc__)
     p.add_argument("name", choices=sorted(BENCHES))
     p.add_argument("--json", type=Path, required=True, help="where to write the figures")
     p.add_argument("--work", type=Path, default=Path("runs/bench"), help="scratch dir (models, stores, drafts)")
-    p.add_argument("--data", type=Path, default=Path("../shared/data"), help="prompt sets (see docs/BENCHMARKS.md)")
+    p.add_argument("--data", type=Path, default=Path("data"), help="prompt sets (see docs/BENCHMARKS.md)")
     p.add_argument("--quick", action="store_true", help="a smaller version (fewer prompts, pairs or tokens)")
-    args = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr)
+    return run(p, bench, argv)
+
+
+def bench(args: argparse.Namespace) -> int:
     module, fn = BENCHES[args.name].split(":")
-    bench: Callable[..., dict[str, Any]] = getattr(__import__(module, fromlist=[fn]), fn)
+    measure: Callable[..., dict[str, Any]] = getattr(__import__(module, fromlist=[fn]), fn)
     t0 = time.time()
-    figures = bench(work=args.work / args.name, data=args.data, quick=args.quick)
+    figures = measure(work=args.work / args.name, data=args.data, quick=args.quick)
     result = {"bench": args.name, "command": " ".join(["python -m workflows.bench", *sys.argv[1:]]),
               "machine": machine(), "bench_wall_s": time.time() - t0, **figures}
     args.json.parent.mkdir(parents=True, exist_ok=True)

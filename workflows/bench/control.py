@@ -77,9 +77,9 @@ def controller_accuracy(work: Path, data: Path, quick: bool = False) -> dict[str
 def never_worse(work: Path, data: Path, quick: bool = False) -> dict[str, Any]:
     """A useless draft (untrained, no trainer) under TIDE's gate against plain vLLM, same prompts,
     same cores, one after the other in one run: `ratio_vs_nospec` = TIDE tokens/s over plain."""
-    from workflows.bench.serving import _requests
     from tide.runtime.coordinator import Coordinator
     from tide.runtime.serve_role import spec_on_fraction
+    from workflows.bench.serving import _requests
 
     cfg, target, v0 = _setup(work)
     reqs = _requests(target, data, "humaneval", "humaneval/HumanEval.jsonl.gz", 16 if quick else 40,
@@ -104,4 +104,5 @@ def never_worse(work: Path, data: Path, quick: bool = False) -> dict[str, Any]:
     return {"ratio_vs_nospec": tide / plain, "tokens_per_s_tide": tide, "tokens_per_s_nospec": plain,
             "spec_off_at_s": off.t if off else None, "spec_off_reason": off.reason if off else None,
             "speculation_on_fraction": spec_on_fraction(wins),
-            "requests": len(res), "output_tokens": sum(len(r.output_ids) for r in res), "window_s": cfg.runtime.window_s}
+            "requests": len(res), "output_tokens": sum(len(r.output_ids) for r in res),
+            "window_s": cfg.runtime.window_s}

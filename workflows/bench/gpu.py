@@ -34,7 +34,9 @@ TINY = dict(L8B, hidden_size=128, num_attention_heads=2, num_key_value_heads=2, 
 
 
 def device() -> torch.device:
-    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else torch.device("cpu")
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
 
 
 def timed(fn, iters: int, warmup: int = 2) -> float:
@@ -230,10 +232,11 @@ def main(argv: list[str] | None = None) -> int:
     if a.world > 1:
         torch.distributed.destroy_process_group()
         dp_json = a.json.with_name(a.json.stem + "-dp.json")
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(a.world), "-m", "workflows.bench.gpu",
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(a.world),
+               "-m", "workflows.bench.gpu",
                "--json", str(dp_json), "--part", "dp"] + (["--tiny"] if a.tiny else [])
-        subprocess.run(cmd, check=True, env={k: v for k, v in os.environ.items()
-                                             if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")})
+        launcher_env = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+        subprocess.run(cmd, check=True, env={k: v for k, v in os.environ.items() if k not in launcher_env})
         dp = json.loads(dp_json.read_text())
         one = out["trainer"][0]
         out["data_parallel"] = {**dp["trainer_dp"], "tokens_per_s_1gpu": one["tokens_per_s"],

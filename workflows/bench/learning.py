@@ -12,9 +12,9 @@ from pathlib import Path
 from typing import Any
 
 from tide.config import ServeConfig, TrainConfig, load_config
-from tide.train.recompute import write_recomputed
-from tide.serve.engine import TideEngine
 from tide.model.target import Target
+from tide.serve.engine import TideEngine
+from tide.train.recompute import write_recomputed
 
 log = logging.getLogger(__name__)
 DEFAULT = Path(__file__).resolve().parents[2] / "configs" / "local.yaml"
@@ -26,10 +26,11 @@ def _target() -> Target:
     return Target.open(resolve_model("smollm2"), (2, 15, 27))
 
 
-def answers(target: Target, work: Path, data: Path, n: int, max_tokens: int = 192) -> list[tuple[str, list[int], list[int]]]:
+def answers(target: Target, work: Path, data: Path, n: int,
+            max_tokens: int = 192) -> list[tuple[str, list[int], list[int]]]:
     """(id, prompt ids, greedy output ids) for the first n GSM8K train questions; cached in `work`."""
-    from tide.workload import build_requests
     from tide.config import WorkloadConfig
+    from tide.workload import build_requests
 
     cache = work / f"answers-{n}-{max_tokens}.jsonl"
     if cache.exists():

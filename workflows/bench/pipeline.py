@@ -35,9 +35,9 @@ def make_target_dir(path: Path, cfg: dict) -> Path:
 
 def producer(cfg: dict, target_dir: str, store: str, stop: str, stats: str, batch: int, k: int, dev: str) -> None:
     """Serving-rate capture: forward [batch, k+1] tokens, keep ~(1 + 2.5) rows per sequence."""
-    from workflows.bench.gpu import target_model
-    from tide.store import ChunkWriter, Run, bf16_to_u16
     from tide.model.target import Target
+    from tide.store import ChunkWriter, Run, bf16_to_u16
+    from workflows.bench.gpu import target_model
 
     os.environ["LOCAL_RANK"] = dev
     torch.cuda.set_device(int(dev)) if torch.cuda.is_available() else None
@@ -54,8 +54,9 @@ def producer(cfg: dict, target_dir: str, store: str, stop: str, stats: str, batc
             hid = bf16_to_u16(rows)  # device -> host
             for a in range(0, keep, rows_per_run):
                 n = min(rows_per_run, keep - a)
-                w.add(Run(f"s{step}-{a}", np.random.randint(0, min(32000, cfg["vocab_size"]), n, dtype=np.int32), np.arange(n, dtype=np.int32),
-                          hid[a : a + n], np.arange(n) >= 4, "pipeline", 3.5, 1))
+                tokens = np.random.randint(0, min(32000, cfg["vocab_size"]), n, dtype=np.int32)
+                w.add(Run(f"s{step}-{a}", tokens, np.arange(n, dtype=np.int32), hid[a : a + n], np.arange(n) >= 4,
+                          "pipeline", 3.5, 1))
             produced += keep
             step += 1
             Path(stats).write_text(json.dumps({"produced_rows": produced, "wall_s": time.time() - t0, "steps": step,
@@ -86,8 +87,8 @@ def main(argv: list[str] | None = None) -> int:
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     from tide.config import TrainConfig
-    from tide.store import ChunkReader
     from tide.model.target import Target
+    from tide.store import ChunkReader
     from tide.train import DraftTrainer
 
     tgt = Target.open(target, (2, cfg["num_hidden_layers"] // 2, cfg["num_hidden_layers"] - 3))

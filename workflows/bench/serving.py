@@ -61,9 +61,9 @@ def capture_overhead(work: Path, data: Path, quick: bool = False) -> dict[str, A
 def hot_swap(work: Path, data: Path, quick: bool = False) -> dict[str, Any]:
     """Pause of a swap between two steps, and live acceptance of a trained draft (from
     `draft-learning`) against its offline figures on held-out GSM8K questions."""
-    from workflows.bench.learning import _target
     from tide.train.data import batches, sequences
     from tide.train.objective import simulate_acceptance
+    from workflows.bench.learning import _target
 
     target = _target()
     trained = work.parent / "draft-learning" / "drafts" / "v1"
@@ -104,7 +104,6 @@ def cpu_gemm(work: Path, data: Path, quick: bool = False) -> dict[str, Any]:
     one thread, through the kernels vLLM-CPU picks (oneDNN where it can build a primitive, else
     torch.nn.functional.linear). Speculation pays only if the 4-row step costs little more."""
     import torch
-
     from vllm import _custom_ops as ops
 
     torch.set_num_threads(1)
@@ -118,10 +117,10 @@ def cpu_gemm(work: Path, data: Path, quick: bool = False) -> dict[str, Any]:
                 w, x = torch.randn(n, k, dtype=dtype), torch.randn(m, k, dtype=dtype)
                 try:
                     h = ops.create_onednn_mm(w.t(), 32)
-                    f = lambda: ops.onednn_mm(h, x, None)  # noqa: E731
+                    f = lambda: ops.onednn_mm(h, x, None)  # noqa: E731, B023 (called in this iteration)
                     kernel = "onednn"
                 except RuntimeError:  # no primitive for this dtype on this CPU: vLLM falls back the same way
-                    f = lambda: torch.nn.functional.linear(x, w)  # noqa: E731
+                    f = lambda: torch.nn.functional.linear(x, w)  # noqa: E731, B023
                     kernel = "torch"
                 for _ in range(3):
                     f()

@@ -14,38 +14,37 @@ import logging
 import sys
 from pathlib import Path
 
+from tide.cli import parser, run
 from tide.config import ConfigError
+
+log = logging.getLogger("workflows.replay")
 
 
 def main(argv: list[str] | None = None) -> int:
     from workflows.replay.runner import MODES
 
-    p = argparse.ArgumentParser(prog="python -m workflows.replay", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = parser("python -m workflows.replay", __doc__)
     p.add_argument("--config", required=True, type=Path, help="experiment file, e.g. configs/experiments/shift.yaml")
     p.add_argument("--out", required=True, type=Path, help="results directory")
     p.add_argument("--modes", default="", help=f"comma-separated subset of the file's modes ({','.join(MODES)})")
-    args = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr)
-    from workflows.replay.report import write_report
-    from workflows.replay.runner import load_experiment, run_experiment
 
-    try:
+    def body(args: argparse.Namespace) -> int:
+        from workflows.replay.report import write_report
+        from workflows.replay.runner import load_experiment, run_experiment
+
         _, spec, _ = load_experiment(args.config)
         modes = tuple(m for m in args.modes.split(",") if m)
         if set(modes) - set(MODES):
             raise ConfigError(f"--modes: unknown {sorted(set(modes) - set(MODES))}; choose from {', '.join(MODES)}")
         args.out.mkdir(parents=True, exist_ok=True)
         runs = run_experiment(args.config, args.out, modes)
-    except (ConfigError, ValueError) as e:
-        print(f"tide.replay: error: {e}", file=sys.stderr)
-        return 2
-    command = " ".join(["python -m workflows.replay", *(argv if argv is not None else sys.argv[1:])])
-    summary = write_report(runs, spec, args.out, command)
-    print((args.out / "report.md").read_text())
-    logging.getLogger("tide.replay").info("results in %s (summary.json, report.md, acceptance.png, throughput.png)",
-                                          args.out)
-    return 0 if summary["modes"] else 1
+        command = " ".join(["python -m workflows.replay", *(argv if argv is not None else sys.argv[1:])])
+        summary = write_report(runs, spec, args.out, command)
+        print((args.out / "report.md").read_text())
+        log.info("results in %s (summary.json, report.md, acceptance.png, throughput.png)", args.out)
+        return 0 if summary["modes"] else 1
+
+    return run(p, body, argv)
 
 
 if __name__ == "__main__":

@@ -6,10 +6,10 @@ from pathlib import Path
 from typing import Any
 
 from tide.draft.acceptance import AcceptanceHistogram
-from workflows.replay.runner import ModeRun
-from tide.workload.phases import WorkloadSpec
 from tide.model.files import write_json, write_jsonl
 from tide.serve.engine import RequestResult
+from tide.workload.phases import WorkloadSpec
+from workflows.replay.runner import ModeRun
 
 
 def _rate(results: list[RequestResult]) -> dict[str, float]:
@@ -75,8 +75,8 @@ def _markdown(s: dict[str, Any]) -> str:
     lines += ["", "Per phase: tokens/s (acceptance length)", "",
               "| mode | " + " | ".join(phases) + " |", "|---|" + "---|" * len(phases)]
     for name, m in modes.items():
-        lines.append(f"| {name} | " + " | ".join(f"{f(m['phases'][p]['tokens_per_s'])} "
-                                                   f"({f(m['phases'][p]['acceptance_length'], 2)})" for p in phases) + " |")
+        cells = (f"{f(m['phases'][p]['tokens_per_s'])} ({f(m['phases'][p]['acceptance_length'], 2)})" for p in phases)
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 

@@ -22,11 +22,11 @@ from typing import Any
 import yaml
 
 from tide.config import ConfigError, TideConfig, from_dict, to_dict
-from tide.store.layout import RunLayout
-from tide.workload.prompts import load_prompts
-from tide.workload.phases import WorkloadSpec, build_workload, chat_ids, load_workload
 from tide.serve.engine import Request, RequestResult, TideEngine, Window
+from tide.store.layout import RunLayout
 from tide.workload import Segment
+from tide.workload.phases import WorkloadSpec, build_workload, chat_ids, load_workload
+from tide.workload.prompts import load_prompts
 
 log = logging.getLogger(__name__)
 MODES = ("nospec", "static", "tide", "tide-always", "tide-recompute")
@@ -59,7 +59,7 @@ class ModeRun:
 
 
 def load_experiment(path: Path) -> tuple[TideConfig, WorkloadSpec, ReplayConfig]:
-    """`workload:` (tide.replay), `replay:` and every TideConfig section but `workload`, checked."""
+    """`workload:` (tide.workload), `replay:` and every TideConfig section but `workload`, checked."""
     spec = load_workload(path)
     raw = yaml.safe_load(Path(path).read_text())
     replay = from_dict(ReplayConfig, raw.get("replay") or {}, str(path), "replay")
@@ -72,7 +72,8 @@ def run_experiment(path: Path, out: Path, modes: tuple[str, ...] = ()) -> list[M
 
     cfg, spec, rc = load_experiment(path)
     modes = modes or rc.modes
-    bind_serving(cfg.runtime.serve_cores)  # every mode, and the static draft's offline capture and training, on the serving cores
+    # every mode, and the static draft's offline capture and training, on the serving cores
+    bind_serving(cfg.runtime.serve_cores)
     target = RunLayout.open(cfg, out / "static").target
     requests = build_workload(spec, target.path, cfg.serve.max_model_len - spec.max_tokens - 8)
     log.info("replay: %d requests in %d phases, modes %s", len(requests), len(spec.phases), ", ".join(modes))
@@ -150,7 +151,8 @@ def train_static(cfg: TideConfig, spec: WorkloadSpec, rc: ReplayConfig, out: Pat
         eng.close()
     config = out / "config.yaml"
     config.write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
-    cmd = [sys.executable, "-m", "tide.train", "--config", str(config), "--out", str(out), "--json", str(out / "train.json")]
+    cmd = [sys.executable, "-m", "tide.train", "--config", str(config), "--out", str(out),
+           "--json", str(out / "train.json")]
     with open(out / "trainer.log", "ab") as f:
         subprocess.run(cmd, check=True, stdout=f, stderr=subprocess.STDOUT)
     result = json.loads((out / "train.json").read_text())
