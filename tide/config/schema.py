@@ -22,9 +22,9 @@ class CollectConfig:
 
     Per-request AL is noisy: requests of one domain differ by sigma ~0.2-0.4 AL. On a stable stream
     the gap long - short has std ~0.12 * sigma for lambdas 0.05 / 0.01, and epsilon 0.2 gave no false
-    shift in 40 x 10,000 Gaussian requests at sigma 0.3 (1 in 40 runs at sigma 0.4). The constants
-    first suggested (0.3 / 0.02 / 0.1: gap std ~0.39 * sigma, epsilon ~1 std) saw a false shift
-    within ~30 requests of every run at sigma 0.2. The price is detection delay, which is small next
+    shift in 40 x 10,000 Gaussian requests at sigma 0.3 (1 in 40 runs at sigma 0.4); faster EMAs
+    (0.3 / 0.02 with epsilon 0.1: gap std ~0.39 * sigma, epsilon ~1 std) saw a false shift within
+    ~30 requests of every run at sigma 0.2. The price is detection delay, which is small next
     to the ~100+ requests that collection takes: a drop of Delta is caught after k requests with
     Delta * (0.99^k - 0.95^k) > 0.2: k = 12 for 0.6 AL (calibration: GSM8K -> code, 1.75 -> 1.11),
     ~20 for 0.4. A linear drift of r AL per request opens a steady gap of r * (1/lambda_long -

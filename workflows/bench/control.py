@@ -11,13 +11,13 @@ from tide.config import load_config
 from tide.draft import DraftRegistry, init_draft, save_draft
 from tide.draft.acceptance import AcceptanceHistogram
 from tide.serve.engine import Request, TideEngine
+from workflows.bench.common import DEFAULT, requests, smollm2
 
 
 def _setup(work: Path) -> tuple[Any, Any, Path]:
     """The embedded default's config and target, and an untrained head at work/drafts/v0."""
-    from workflows.bench.learning import DEFAULT, _target
 
-    cfg, target = load_config(DEFAULT), _target()
+    cfg, target = load_config(DEFAULT), smollm2()
     shutil.rmtree(work, ignore_errors=True)
     v0 = DraftRegistry(work / "drafts").path(0)
     save_draft(init_draft(target.path, target.layer_ids, cfg.draft.draft_vocab_size), v0)
@@ -41,7 +41,6 @@ def controller_accuracy(work: Path, data: Path, quick: bool = False) -> dict[str
     """Eq. 5 with the start-up profile against measured speedup (speculation on over off, same engine,
     same prompts) over batch sizes 1, 2, 4 and drafts of different acceptance: the untrained head and
     the GSM8K-trained one of `draft-learning`, on GSM8K test questions."""
-    from workflows.bench.serving import _requests
 
     cfg, target, v0 = _setup(work)
     drafts = {"untrained": v0}
@@ -55,7 +54,7 @@ def controller_accuracy(work: Path, data: Path, quick: bool = False) -> dict[str
         for v, (name, path) in enumerate(drafts.items()):
             eng.swap(path, v)
             for b in (1, 2, 4):
-                reqs = _requests(target, data, "gsm8k", "gsm8k/test.jsonl", (2 if quick else 4) * b, 96, f"{name}{b}")
+                reqs = requests(target, data, "gsm8k", "gsm8k/test.jsonl", (2 if quick else 4) * b, 96, f"{name}{b}")
                 eng.set_speculation(True)
                 on, al, batch = _serve(eng, reqs, b, "on")
                 eng.set_speculation(False)
@@ -79,10 +78,9 @@ def never_worse(work: Path, data: Path, quick: bool = False) -> dict[str, Any]:
     same cores, one after the other in one run: `ratio_vs_nospec` = TIDE tokens/s over plain."""
     from tide.runtime.coordinator import Coordinator
     from tide.runtime.serve_role import spec_on_fraction
-    from workflows.bench.serving import _requests
 
     cfg, target, v0 = _setup(work)
-    reqs = _requests(target, data, "humaneval", "humaneval/HumanEval.jsonl.gz", 16 if quick else 40,
+    reqs = requests(target, data, "humaneval", "humaneval/HumanEval.jsonl.gz", 16 if quick else 40,
                      cfg.workload.max_tokens, "nw")
     eng = TideEngine(target, cfg.serve, v0, dtype=cfg.model.dtype, capture=False)
     try:

@@ -15,15 +15,9 @@ from tide.config import ServeConfig, TrainConfig, load_config
 from tide.model.target import Target
 from tide.serve.engine import TideEngine
 from tide.train.recompute import write_recomputed
+from workflows.bench.common import DEFAULT, smollm2
 
 log = logging.getLogger(__name__)
-DEFAULT = Path(__file__).resolve().parents[2] / "configs" / "local.yaml"
-
-
-def _target() -> Target:
-    from tide.model.assets import resolve_model
-
-    return Target.open(resolve_model("smollm2"), (2, 15, 27))
 
 
 def answers(target: Target, work: Path, data: Path, n: int,
@@ -81,7 +75,7 @@ def _recompute_and_train(target: Target, work: Path, reqs: list):
 
 
 def draft_learning(work: Path, data: Path, quick: bool = False) -> dict[str, Any]:
-    target = _target()
+    target = smollm2()
     reqs = answers(target, work, data, 80 if quick else 200)
     recompute_s, r = _recompute_and_train(target, work, reqs)
     return {"al_before": r.al_before, "al_after": r.al_after, "gamma": _train_cfg().gamma,
@@ -95,7 +89,7 @@ def training_cycle(work: Path, data: Path, quick: bool = False) -> dict[str, Any
     """One draft update from the same fresh tokens: TIDE trains on chunks captured while serving;
     the recompute baseline first regenerates their hidden states with the target, then trains the
     same way. Ratio = recompute time / TIDE time."""
-    target = _target()
+    target = smollm2()
     reqs = answers(target, work.parent / "draft-learning", data, 80 if quick else 200)
     regenerate_s, r = _recompute_and_train(target, work, reqs)
     tide_s = r.wall_s

@@ -8,21 +8,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tide.config import ServeConfig, WorkloadConfig
+from tide.config import ServeConfig
 from tide.draft import DraftRegistry, init_draft, load_draft, save_draft
 from tide.draft.acceptance import AcceptanceHistogram
-from tide.serve.engine import Request, TideEngine
+from tide.serve.engine import TideEngine
 from tide.store import ChunkReader
-from tide.workload import build_requests
+from workflows.bench.common import requests, smollm2
 
 SERVE = ServeConfig(max_num_seqs=4, max_model_len=1024, max_num_batched_tokens=1024)
 DTYPE = "float32"  # as configs/local.yaml: no bf16 matmul on AVX2 CPUs
-
-
-def _requests(target, data: Path, dataset: str, file: str, n: int, max_tokens: int, tag: str) -> list[Request]:
-    reqs = build_requests(WorkloadConfig(dataset=dataset, path=str(data / file), num_prompts=n, max_tokens=max_tokens,
-                                         seed=1), target.path, 768)
-    return [Request(f"{tag}-{r.request_id}", r.prompt_ids, r.max_tokens, None, r.workload) for r in reqs]
 
 
 def _rate(results, wall_s: float) -> float:
@@ -32,9 +26,8 @@ def _rate(results, wall_s: float) -> float:
 def capture_overhead(work: Path, data: Path, quick: bool = False) -> dict[str, Any]:
     """Tokens/s with capture on over off, same engine, same prompts, alternating pairs (order
     flipped every pair so that drift cancels)."""
-    from workflows.bench.learning import _target
 
-    target = _target()
+    target = smollm2()
     shutil.rmtree(work, ignore_errors=True)
     reg = DraftRegistry(work / "drafts")
     save_draft(init_draft(target.path, target.layer_ids, 8192), reg.path(0))
@@ -45,7 +38,7 @@ def capture_overhead(work: Path, data: Path, quick: bool = False) -> dict[str, A
         for i in range(pairs):
             for capture in ((True, False) if i % 2 == 0 else (False, True)):
                 eng.set_capture(capture)
-                reqs = _requests(target, data, "humaneval", "humaneval/HumanEval.jsonl.gz", 8, 64, f"p{i}{capture}")
+                reqs = requests(target, data, "humaneval", "humaneval/HumanEval.jsonl.gz", 8, 64, f"p{i}{capture}")
                 t0 = time.perf_counter()
                 res, _ = eng.replay(reqs, concurrency=4, window_s=1e9)
                 (on if capture else off).append(_rate(res, time.perf_counter() - t0))
@@ -63,9 +56,8 @@ def hot_swap(work: Path, data: Path, quick: bool = False) -> dict[str, Any]:
     `draft-learning`) against its offline figures on held-out GSM8K questions."""
     from tide.train.data import batches, sequences
     from tide.train.objective import simulate_acceptance
-    from workflows.bench.learning import _target
 
-    target = _target()
+    target = smollm2()
     trained = work.parent / "draft-learning" / "drafts" / "v1"
     if not (trained / "model.safetensors").exists():
         raise ValueError(f"{trained}: no trained draft; run `python -m workflows.bench draft-learning` first")
@@ -75,7 +67,7 @@ def hot_swap(work: Path, data: Path, quick: bool = False) -> dict[str, Any]:
     eng = TideEngine(target, SERVE, reg.path(0), store_root=work / "store", dtype=DTYPE)
     pauses = []
     try:
-        reqs = _requests(target, data, "gsm8k", "gsm8k/test.jsonl", 8 if quick else 40, 192, "live")
+        reqs = requests(target, data, "gsm8k", "gsm8k/test.jsonl", 8 if quick else 40, 192, "live")
         for v in [1, 0] * (2 if quick else 5) + [1]:
             pauses.append(eng.swap(trained if v else reg.path(0), v))
         res, _ = eng.replay(reqs, concurrency=1, window_s=1e9)
