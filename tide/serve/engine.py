@@ -12,7 +12,7 @@ import logging
 import os
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -56,9 +56,11 @@ class RequestResult:
         return h.acceptance_length
 
     def to_json(self) -> dict[str, Any]:
-        d = asdict(self)
-        d.pop("output_ids")
-        return {**d, "output_tokens": len(self.output_ids), "acceptance_length": self.acceptance_length}
+        return {**asdict(self), "output_tokens": len(self.output_ids), "acceptance_length": self.acceptance_length}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> RequestResult:
+        return cls(**{f.name: d[f.name] for f in fields(cls) if f.name in d})
 
 
 @dataclass
@@ -83,6 +85,10 @@ class Window:
 
     def to_json(self) -> dict[str, Any]:
         return {**asdict(self), "tokens_per_s": self.tokens_per_s, "acceptance_length": self.acceptance_length}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> Window:
+        return cls(**{f.name: d[f.name] for f in fields(cls) if f.name in d})
 
 
 class TideEngine:

@@ -5,6 +5,9 @@ The experiment file holds a `workload:` section (phases and arrivals, docs/repla
 runtime ...). Each mode serves the same requests with the same arrivals on the same cores, one
 after the other; DIR gets summary.json, windows.jsonl, report.md, acceptance.png, throughput.png
 and a directory per mode (its config, windows, requests, events, store and drafts).
+
+With `--executor slurm` the same run is a chain of Slurm jobs through submitit: the static draft,
+an array job with one task per mode (side by side), and the report, each after the one before.
 """
 
 from __future__ import annotations
@@ -27,17 +30,32 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--config", required=True, type=Path, help="experiment file, e.g. configs/experiments/shift.yaml")
     p.add_argument("--out", required=True, type=Path, help="results directory")
     p.add_argument("--modes", default="", help=f"comma-separated subset of the file's modes ({','.join(MODES)})")
+    p.add_argument("--executor", choices=("local", "slurm"), default="local",
+                   help="local: every mode here, one after the other; slurm: the static draft, an array job of "
+                        "the modes and the report as dependent jobs through submitit (sized by slurm.serve)")
+    p.add_argument("--stage", choices=("all", "static", "mode", "report"), default="all",
+                   help="one step of the run (what each Slurm job runs); default all of them")
 
     def body(args: argparse.Namespace) -> int:
+        from workflows.replay import runner
         from workflows.replay.report import write_report
-        from workflows.replay.runner import load_experiment, run_experiment
 
-        _, spec, _ = load_experiment(args.config)
-        modes = tuple(m for m in args.modes.split(",") if m)
+        cfg, spec, replay = runner.load_experiment(args.config)
+        modes = tuple(m for m in args.modes.split(",") if m) or replay.modes
         if set(modes) - set(MODES):
             raise ConfigError(f"--modes: unknown {sorted(set(modes) - set(MODES))}; choose from {', '.join(MODES)}")
         args.out.mkdir(parents=True, exist_ok=True)
-        runs = run_experiment(args.config, args.out, modes)
+        if args.executor == "slurm":  # the report job writes the report
+            from workflows.replay.slurm import submit_replay
+
+            submit_replay(cfg, args.config, args.out, modes).result()  # waits; raises if a job failed
+            print((args.out / "report.md").read_text())
+            return 0
+        if args.stage != "report":
+            runner.run_stage(args.stage, args.config, args.out, modes)
+        if args.stage in ("static", "mode"):
+            return 0
+        runs = [runner.load_mode(args.out / m, m) for m in modes]
         command = " ".join(["python -m workflows.replay", *(argv if argv is not None else sys.argv[1:])])
         summary = write_report(runs, spec, args.out, command)
         print((args.out / "report.md").read_text())

@@ -67,22 +67,37 @@ def load_experiment(path: Path) -> tuple[TideConfig, WorkloadSpec, ReplayConfig]
     return cfg, spec, replay
 
 
-def run_experiment(path: Path, out: Path, modes: tuple[str, ...] = ()) -> list[ModeRun]:
+@dataclass
+class Experiment:
+    """An experiment file, resolved: its config, workload, replay section and requests."""
+
+    cfg: TideConfig
+    spec: WorkloadSpec
+    replay: ReplayConfig
+    requests: list[Request]
+
+    @classmethod
+    def open(cls, path: Path, out: Path) -> Experiment:
+        cfg, spec, rc = load_experiment(path)
+        target = RunLayout.open(cfg, out / "static").target
+        return cls(cfg, spec, rc, build_workload(spec, target.path, cfg.serve.max_model_len - spec.max_tokens - 8))
+
+
+def run_stage(stage: str, path: Path, out: Path, modes: tuple[str, ...]) -> None:
+    """`all`: the static draft, then every mode, one after the other; `static` or `mode` alone is one
+    Slurm job's share. Serving (and the static draft's capture) runs on `runtime.serve_cores`."""
     from tide.runtime.processes import bind_serving
 
-    cfg, spec, rc = load_experiment(path)
-    modes = modes or rc.modes
-    # every mode, and the static draft's offline capture and training, on the serving cores
-    bind_serving(cfg.runtime.serve_cores)
-    target = RunLayout.open(cfg, out / "static").target
-    requests = build_workload(spec, target.path, cfg.serve.max_model_len - spec.max_tokens - 8)
-    log.info("replay: %d requests in %d phases, modes %s", len(requests), len(spec.phases), ", ".join(modes))
-    static = train_static(cfg, spec, rc, out / "static", requests) if set(modes) - {"nospec"} else None
-    runs = []
-    for mode in modes:
+    exp = Experiment.open(path, out)
+    bind_serving(exp.cfg.runtime.serve_cores)
+    log.info("replay: %d requests in %d phases, modes %s", len(exp.requests), len(exp.spec.phases), ", ".join(modes))
+    learned = set(modes) - {"nospec"}
+    static = train_static(exp, out / "static") if stage in ("all", "static") and learned else None
+    if stage == "mode" and learned:
+        static = out / "static" / "drafts" / "v1"
+    for mode in modes if stage in ("all", "mode") else ():
         log.info("replay: mode %s", mode)
-        runs.append(run_mode(cfg, mode, spec, requests, out / mode, static))
-    return runs
+        run_mode(exp, mode, out / mode, static)
 
 
 def mode_config(cfg: TideConfig, mode: str, static: Path | None) -> TideConfig:
@@ -93,34 +108,53 @@ def mode_config(cfg: TideConfig, mode: str, static: Path | None) -> TideConfig:
         workload=dataclasses.replace(cfg.workload, nospec_baseline=False))
 
 
-def run_mode(cfg: TideConfig, mode: str, spec: WorkloadSpec, requests: list[Request], out: Path,
-             static: Path | None) -> ModeRun:
+def run_mode(exp: Experiment, mode: str, out: Path, static: Path | None) -> None:
+    """Serve the experiment's requests in `mode`; everything the report needs goes to `out`."""
+    from tide.model.files import write_json, write_jsonl
     from tide.runtime.processes import local_trainer
     from tide.runtime.serve_role import serve
 
-    mcfg = mode_config(cfg, mode, static)
+    mcfg = mode_config(exp.cfg, mode, static)
     out.mkdir(parents=True, exist_ok=True)
     config = out / "config.yaml"
     config.write_text(yaml.safe_dump(to_dict(mcfg), sort_keys=False))
     run = RunLayout.open(mcfg, out)
-    concurrency = spec.arrivals.concurrency or 1
+    concurrency = exp.spec.arrivals.concurrency or 1
+    workload: list[dict[str, Any]] = []
     if mode == "nospec":
         eng = TideEngine(run.target, mcfg.serve, None, dtype=mcfg.model.dtype)
         try:
-            results, windows = eng.replay(requests, concurrency, mcfg.runtime.window_s)
+            results, windows = eng.replay(exp.requests, concurrency, mcfg.runtime.window_s)
         finally:
             eng.close()
-        return ModeRun(mode, results, windows)
-    segments = [Segment([r for r in requests if r.workload == p.name], p.until) for p in spec.phases]
-    if mode == "static":
-        s = serve(mcfg, run, segments, None, [], concurrency)
-        return ModeRun(mode, s.results, s.windows, s.events, workload=s.workload)
-    with local_trainer(config, out, mcfg.runtime.train_cores) as transport:
-        s = serve(mcfg, run, segments, transport, [1], concurrency)
-    return ModeRun(mode, s.results, s.windows, s.events, store=run.store, workload=s.workload)
+        write_jsonl(out / "windows.jsonl", (w.to_json() for w in windows))
+        write_jsonl(out / "requests.jsonl", (r.to_json() for r in results))
+        write_json(out / "events.json", [])
+    else:
+        segments = [Segment([r for r in exp.requests if r.workload == p.name], p.until) for p in exp.spec.phases]
+        if mode == "static":
+            workload = serve(mcfg, run, segments, None, [], concurrency).workload
+        else:
+            with local_trainer(config, out, mcfg.runtime.train_cores) as transport:
+                workload = serve(mcfg, run, segments, transport, [1], concurrency).workload
+    write_json(out / "mode.json", {"mode": mode, "workload": workload, "learns": mode.startswith("tide")})
 
 
-def train_static(cfg: TideConfig, spec: WorkloadSpec, rc: ReplayConfig, out: Path, requests: list[Request]) -> Path:
+def load_mode(out: Path, mode: str) -> ModeRun:
+    """A mode's run from its files (written by `run_mode`, here or in a Slurm job)."""
+    from tide.runtime.coordinator import Event
+
+    def rows(name: str) -> list[dict[str, Any]]:
+        return [json.loads(line) for line in (out / name).read_text().splitlines() if line.strip()]
+
+    meta = json.loads((out / "mode.json").read_text())
+    return ModeRun(mode, [RequestResult.from_json(d) for d in rows("requests.jsonl")],
+                   [Window.from_json(d) for d in rows("windows.jsonl")],
+                   [Event(**d) for d in json.loads((out / "events.json").read_text())],
+                   store=out / "store" if meta["learns"] else None, workload=meta["workload"])
+
+
+def train_static(exp: Experiment, out: Path) -> Path:
     """The usual deployment's draft: trained once, offline, on prompts of the first phase's domain
     that the workload does not contain (their hidden states captured with speculation off)."""
     from transformers import AutoTokenizer
@@ -130,10 +164,10 @@ def train_static(cfg: TideConfig, spec: WorkloadSpec, rc: ReplayConfig, out: Pat
     done = out / "drafts" / "v1"
     if (done / "model.safetensors").exists():
         return done
-    first = spec.phases[0]
+    cfg, first = exp.cfg, exp.spec.phases[0]
     run = RunLayout.open(cfg, out)
-    used = {r.request_id.split("#")[0] for r in requests}
-    prompts = [p for p in load_prompts(first.dataset, first.path) if p[0] not in used][: rc.static_prompts]
+    used = {r.request_id.split("#")[0] for r in exp.requests}
+    prompts = [p for p in load_prompts(first.dataset, first.path) if p[0] not in used][: exp.replay.static_prompts]
     if not prompts:
         raise ConfigError(f"replay.static_prompts: no prompts of '{first.dataset}' left outside the workload")
     tok = AutoTokenizer.from_pretrained(run.target.path)
