@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from tide.config import TideConfig, load_config
-from tide.control import LatencyProfile
+from tide.control import LatencyModel
 from tide.runtime.coordinator import Coordinator
 from tide.runtime.messages import DraftReady, Message, Train, TrainFailed, TrainProgress
 from tide.serve.engine import Window
@@ -33,6 +33,7 @@ class FakeEngine:
 
     def __init__(self, store: Path, gamma: int = 3) -> None:
         self.gamma, self.version, self.speculate, self.capture = gamma, 0, True, False
+        self.lengths = [gamma] * 5
         self.writer = ChunkWriter(store, META, chunk_tokens=CHUNK)
         self.swaps: list[int] = []
         self._n = 0
@@ -43,6 +44,9 @@ class FakeEngine:
     def set_speculation(self, on: bool) -> None:
         self.speculate = on
 
+    def set_draft_lengths(self, lengths: list[int]) -> None:
+        self.lengths = list(lengths)
+
     def swap(self, path: str, version: int) -> float:
         self.version = version
         self.swaps.append(version)
@@ -51,8 +55,8 @@ class FakeEngine:
     def stored_since(self, since_ns: int) -> int:
         return self.writer.tokens_since(since_ns)
 
-    def profile(self, max_batch: int) -> LatencyProfile:
-        return LatencyProfile(((1, 0.03), (64, 0.03)), 0.002, self.gamma)
+    def profile(self, max_batch: int) -> LatencyModel:
+        return LatencyModel.flat(((1, 0.03), (64, 0.03)), 0.002, self.gamma)
 
     def serve_chunks(self, n: int) -> None:
         """Finish requests whose rows fill `n` chunks, and wait until they are on disk."""
@@ -88,12 +92,23 @@ class ListTransport:
 def config(policy: str) -> TideConfig:
     cfg = load_config(ROOT / "configs" / "ci.yaml")
     collect = dataclasses.replace(cfg.control.collect, n_threshold=250)
-    return dataclasses.replace(cfg, control=dataclasses.replace(cfg.control, policy=policy, collect=collect))
+    speculation = dataclasses.replace(cfg.control.speculation, min_dwell_s=0.0)
+    return dataclasses.replace(cfg, control=dataclasses.replace(cfg.control, policy=policy, collect=collect,
+                                                                 speculation=speculation))
 
 
-def window(engine: FakeEngine) -> Window:
-    return Window(0.0, 1.0, 10, 5, 1.0, [5] + [0] * engine.gamma, engine.version, engine.speculate,
-                  engine.writer.stats()["tokens"])
+def window(engine: FakeEngine, first: float = 0.0, steps: int = 5) -> Window:
+    """A window of `steps` drafting steps at batch 1, drafting 1 token, `first` of them accepted."""
+    accepted = round(first * steps)
+    rates = {"tried": [steps] + [0] * (engine.gamma - 1), "accepted": [accepted] + [0] * (engine.gamma - 1)}
+    return Window(0.0, 1.0, 10, steps, 1.0, [steps - accepted, accepted] + [0] * (engine.gamma - 1), engine.version,
+                  True, engine.writer.stats()["tokens"], rates)
+
+
+def ready(cycle: int, version: int, eval_al: float, base_al: float) -> DraftReady:
+    """A trainer's answer whose held-out walks (gamma 1) have these acceptance lengths."""
+    hist = lambda al: [1000 - round((al - 1) * 1000), round((al - 1) * 1000)]  # noqa: E731
+    return DraftReady(cycle, version, f"v{version}", eval_al, base_al, 0, 300, 1.0, hist(eval_al), hist(base_al))
 
 
 def trains(t: ListTransport) -> list[Train]:
@@ -112,7 +127,7 @@ def test_the_count_that_triggers_training_is_what_the_trainer_reads_also_after_a
     (first,) = trains(transport)
     assert sum(len(r) for r in reader.load(since_ns=first.since_ns)) == 300
     engine.serve_chunks(2)  # while cycle 1 trains, in the window that will also see its draft deployed
-    transport.inbox.append((1, DraftReady(1, 1, "v1", 1.5, 1.0, 0, 300, 1.0)))
+    transport.inbox.append((1, ready(1, 1, 1.5, 1.0)))
     coord.between_steps(engine, 1.0)
     assert engine.swaps == [1] and [e.kind for e in coord.events][-2:] == ["deploy", "collect"]
     engine.serve_chunks(1)
@@ -132,7 +147,7 @@ def test_policy_always_deploys_every_trained_draft_even_a_worse_one(tmp_path: Pa
     coord.start()
     engine.serve_chunks(3)
     coord.on_window(window(engine))
-    transport.inbox.append((1, DraftReady(1, 1, "v1", 1.2, 1.9, 0, 300, 1.0)))  # worse than its base
+    transport.inbox.append((1, ready(1, 1, 1.2, 1.9)))  # worse than its base
     coord.between_steps(engine, 1.0)
     assert engine.version == 1 and engine.speculate and engine.capture
     assert [e.kind for e in coord.events if e.kind in ("deploy", "reject")] == ["deploy"]
@@ -163,4 +178,39 @@ def test_no_trainer_means_no_capture(tmp_path: Path, policy: str) -> None:
     coord = Coordinator(config(policy), engine, None, trainer_ranks=[], drafts_root=str(tmp_path))
     coord.start()
     assert not engine.capture and coord.training_status() == "no trainer"
+    engine.writer.close()
+
+
+def test_a_regime_trains_on_while_cycles_gain_and_stops_at_a_plateau(tmp_path: Path) -> None:
+    """Adaptive: a gaining cycle is deployed and the next one is asked at once, on the same rows
+    (same since_ns); the first that does not gain ends collection."""
+    engine, transport = FakeEngine(tmp_path, gamma=1), ListTransport()
+    coord = Coordinator(config("adaptive"), engine, transport, trainer_ranks=[1], drafts_root=str(tmp_path))
+    coord.start()  # an untrained v0: collect from the start
+    engine.serve_chunks(3)
+    coord.on_window(window(engine, first=0.0))
+    (first,) = trains(transport)
+    transport.inbox.append((1, ready(1, 1, 1.4, 1.0)))
+    coord.between_steps(engine, 1.0)
+    second = trains(transport)[1]
+    assert engine.version == 1 and second.since_ns == first.since_ns and second.base_version == 1
+    transport.inbox.append((1, ready(2, 2, 1.41, 1.4)))  # +0.01 < min_gain 0.02
+    coord.between_steps(engine, 2.0)
+    kinds = [e.kind for e in coord.events]
+    assert kinds[-1] == "reject" and "a plateau" in coord.events[-1].reason
+    assert engine.version == 1 and not engine.capture and len(trains(transport)) == 2
+    engine.writer.close()
+
+
+def test_the_gate_sets_the_draft_lengths_from_the_live_rates(tmp_path: Path) -> None:
+    """K 3 from the start; a draft that accepts nothing is turned off at every batch size, and the
+    engine is told; a trainer being up, collection starts for the next draft."""
+    engine, transport = FakeEngine(tmp_path), ListTransport()
+    cfg = config("adaptive")
+    cfg = dataclasses.replace(cfg, draft=dataclasses.replace(cfg.draft, init="some-base-draft"))
+    coord = Coordinator(cfg, engine, transport, trainer_ranks=[1], drafts_root=str(tmp_path))
+    coord.start()
+    assert engine.lengths == [0, 3, 3, 3, 3] and not engine.capture
+    coord.on_window(window(engine, first=0.0, steps=300))
+    assert engine.lengths == [0, 0, 0, 0, 0] and [e.kind for e in coord.events][-2:] == ["spec-off", "collect"]
     engine.writer.close()

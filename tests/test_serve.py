@@ -127,6 +127,28 @@ def test_lossless_across_hot_swaps_mid_request(engine, drafts, prompts, referenc
     assert got == {k: reference[k] for k in got}
 
 
+def test_lossless_when_the_draft_length_changes_every_step(engine, drafts, prompts, reference):
+    """k cycles 3, 0, 1, 2 from one step to the next, at every batch size: each step drafts exactly
+    that many tokens (the position rates show it) and the greedy output stays the plain engine's."""
+    _, reg = drafts
+    engine.swap(reg.path(1), 1)
+    seen = []
+
+    def next_length(eng, t):
+        k = [3, 0, 1, 2][len(seen) % 4]
+        seen.append(k)
+        eng.set_draft_lengths([k] * len(eng.lengths))
+
+    try:
+        res, windows = engine.replay(requests(prompts[:8], "k"), concurrency=2, between_steps=next_length)
+    finally:
+        engine.set_draft_lengths([3] * len(engine.lengths))
+    got = outputs(res)
+    assert got == {k: reference[k] for k in got}
+    tried = [sum(w.rates["tried"][j] for w in windows) for j in range(3)]
+    assert tried[0] > tried[1] > tried[2] > 0  # steps of 1, 2 and 3 drafts
+
+
 def test_speculation_off_keeps_capturing(engine, prompts, reference, drafts, tiny_target):
     root, _ = drafts
     engine.set_speculation(False)

@@ -20,34 +20,36 @@ def check(ok: bool, cls: str, name: str, value: object, rule: str) -> None:
 class CollectConfig:
     """Algorithm 1's constants (the paper gives none; these are ours, chosen by simulation).
 
-    Per-request AL is noisy: requests of one domain differ by sigma ~0.2-0.4 AL. On a stable stream
-    the gap long - short has std ~0.12 * sigma for lambdas 0.05 / 0.01, and epsilon 0.2 gave no false
-    shift in 40 x 10,000 Gaussian requests at sigma 0.3 (1 in 40 runs at sigma 0.4); faster EMAs
-    (0.3 / 0.02 with epsilon 0.1: gap std ~0.39 * sigma, epsilon ~1 std) saw a false shift within
-    ~30 requests of every run at sigma 0.2. The price is detection delay, which is small next
-    to the ~100+ requests that collection takes: a drop of Delta is caught after k requests with
-    Delta * (0.99^k - 0.95^k) > 0.2: k = 12 for 0.6 AL (calibration: GSM8K -> code, 1.75 -> 1.11),
-    ~20 for 0.4. A linear drift of r AL per request opens a steady gap of r * (1/lambda_long -
-    1/lambda_short) = 80 r, so drifts faster than 0.0025 AL/request trip the EMAs; slower ones trip
-    `drift_epsilon`: the long EMA fell that far below the baseline (0 disables; > epsilon because the
-    baseline is one draw, the mean of n_init requests). `n_init` 32: a baseline with std sigma/5.7.
-    `n_threshold` 32768 stored tokens (16 chunks of 2048): the calibration's code draft went from AL
-    1.00 to 1.45 on 16k output tokens, and prompt rows are stored too. `min_gain`: deploy when the new
-    eval AL > live AL + min_gain; both come from the same held-out data, so any gain is real on it.
+    The EMAs follow each request's first-draft acceptance a (tide.control.collection). It is noisy:
+    requests of one domain differ by sigma ~0.08-0.15 in a. On a stable stream the gap long - short
+    has std ~0.12 * sigma for lambdas 0.05 / 0.01, and epsilon 0.1 gave no false shift in
+    40 x 10,000 Gaussian requests at sigma 0.15 (1 in 40 runs at sigma 0.2); faster EMAs (0.3 / 0.02
+    with epsilon 0.05: gap std ~0.39 * sigma, epsilon ~1 std) saw a false shift within ~30 requests
+    of every run at sigma 0.1. The price is detection delay, which is small next to the ~100+
+    requests that collection takes: a drop of Delta is caught after k requests with
+    Delta * (0.99^k - 0.95^k) > 0.1: k = 12 for 0.3 (a domain shift halves a good draft's a), ~20
+    for 0.2. A linear drift of r per request opens a steady gap of r * (1/lambda_long -
+    1/lambda_short) = 80 r, so drifts faster than 0.00125 a request trip the EMAs; slower ones trip
+    `drift_epsilon`: the long EMA fell that far below the baseline (0 disables; > epsilon because
+    the baseline is one draw, the mean of n_init requests). `n_init` 32: a baseline with std
+    sigma/5.7. `n_threshold` 32768 stored rows (16 chunks of 2048) before a regime's first cycle:
+    the calibration's code draft went from AL 1.00 to 1.45 on 16k output tokens, and prompt rows
+    are stored too. `min_gain`: a cycle must beat the live draft's held-out AL (the same data) by
+    this much to be deployed and to keep the regime training; the first that does not ends it.
     """
 
     lambda_short: float = 0.05
     lambda_long: float = 0.01
-    epsilon: float = 0.2  # AL units
-    drift_epsilon: float = 0.25  # AL units; 0 = only the two-EMA test
+    epsilon: float = 0.1  # first-draft acceptance
+    drift_epsilon: float = 0.12  # first-draft acceptance; 0 = only the two-EMA test
     n_init: int = 32  # requests
     n_threshold: int = 32_768  # stored tokens (rows) since collection started
-    min_gain: float = 0.0  # AL units
+    min_gain: float = 0.02  # AL units (the trainer's held-out walk)
 
     def __post_init__(self) -> None:
         check(0 < self.lambda_long < self.lambda_short <= 1, "CollectConfig", "lambda_short/lambda_long",
               (self.lambda_short, self.lambda_long), "0 < lambda_long < lambda_short <= 1")
-        check(self.epsilon > 0, "CollectConfig", "epsilon", self.epsilon, "> 0 (AL units)")
+        check(self.epsilon > 0, "CollectConfig", "epsilon", self.epsilon, "> 0 (acceptance)")
         check(self.drift_epsilon >= 0, "CollectConfig", "drift_epsilon", self.drift_epsilon, ">= 0 (0 disables)")
         check(self.n_init >= 1, "CollectConfig", "n_init", self.n_init, ">= 1 request")
         check(self.n_threshold >= 1, "CollectConfig", "n_threshold", self.n_threshold, ">= 1 token")
@@ -56,11 +58,11 @@ class CollectConfig:
 
 @dataclass(frozen=True)
 class RollbackConfig:
-    """`fraction`: share of the evaluated gain (eval AL - 1) the live gain must keep. Live runs below
-    eval (traffic moves on from the data the eval was drawn from), so 0.6 leaves room for that, while a
-    collapsed draft keeps ~0. `window_steps`: drafting steps (one per sequence per engine step) before
-    judging; 256 steps put the window's AL within ~0.06 (per-step std ~1), well inside the gap between
-    a collapsed draft and the bar whenever the evaluated gain is >= 0.3."""
+    """`fraction`: share of the draft's held-out first-draft acceptance that live serving must keep.
+    Live runs below the held-out walk (traffic moves on from the data the walk was drawn from), so
+    0.6 leaves room for that, while a draft that does not load right accepts ~0. `window_steps`:
+    drafting steps before judging; 256 put the live rate within ~0.03 (binomial), well inside the
+    gap between a collapsed draft and the bar whenever the held-out rate is >= 0.2."""
 
     fraction: float = 0.6
     window_steps: int = 256
@@ -72,33 +74,34 @@ class RollbackConfig:
 
 @dataclass(frozen=True)
 class SpeculationConfig:
-    """Speculation gate hysteresis.
+    """The speculation gate: which draft length each batch size gets (tide.control.speculation).
 
-    Off when the live AL < break-even * (1 - margin_off); on when the AL (live, or the estimate while
-    off) > break-even * (1 + margin_on). The band [0.95, 1.10] x break-even is wider than the noise of
-    a 256-step window (per-step accepted count has std about 1, so the window mean has std ~0.06 AL),
-    and it is asymmetric: turning on needs a predicted gain of 10%, since an estimate from simulated
-    drafting runs a little above what serving achieves. A clear case need not wait for 256 steps:
-    from `early_steps` on, an AL more than `z` standard errors beyond the bar decides (an untrained
-    draft at AL 1.0 against a bar of 1.9 is off after 32 steps, not after 256 slow ones). No switch
-    within `min_dwell_steps` engine steps AND `min_dwell_s` seconds of the last one, so an AL
-    hovering at the bar cannot flap. Inside the band, a live AL `z` standard errors below break-even
-    also turns speculation off: a cheap draft that accepts nothing (K = 1 on a CPU: break-even 1.03)
-    would otherwise cost its 3% for ever.
+    A length changes only where the predicted speedup says so by a margin: off -> on above
+    1 + margin_on, on -> off below 1 - margin_off, one length to another `switch_margin` better. The
+    band [0.95, 1.10] is wider than the noise of a 256-step window (the first position's acceptance
+    has a standard error of ~0.03 there), and it is asymmetric: turning on needs a predicted gain of
+    10%, since a held-out walk runs a little above what serving achieves. A clear case need not wait
+    for `min_steps`: from `early_steps` on, a change that still holds with the rates moved `z`
+    standard errors against it is made (an untrained draft accepting nothing is off after 32
+    steps, not after 256 slow ones), and at any time a length whose every choice loses even with
+    rates `z` errors better is turned off (a cheap useless draft would otherwise cost its few % for
+    ever). No change within `min_dwell_steps` engine steps AND `min_dwell_s` seconds of the last one.
     """
 
     margin_off: float = 0.05
     margin_on: float = 0.10
-    min_steps: int = 256  # drafting steps (one per sequence per engine step) behind an AL before it counts
-    early_steps: int = 32  # ... or this many, when the AL is `z` standard errors beyond the bar
+    switch_margin: float = 0.03
+    min_steps: int = 256  # drafting steps (one per sequence per engine step) behind the rates before they count
+    early_steps: int = 32  # ... or this many, for a clear case
     z: float = 4.0
     min_dwell_steps: int = 64
     min_dwell_s: float = 2.0
-    start_enabled: bool = True  # speculate from the start: the live AL can only be measured while on
+    start_enabled: bool = True  # speculate from the start: live acceptance can only be measured while on
 
     def __post_init__(self) -> None:
         check(0 <= self.margin_off < 1, "SpeculationConfig", "margin_off", self.margin_off, "in [0, 1)")
         check(self.margin_on >= 0, "SpeculationConfig", "margin_on", self.margin_on, ">= 0")
+        check(self.switch_margin >= 0, "SpeculationConfig", "switch_margin", self.switch_margin, ">= 0")
         check(self.min_steps >= 1, "SpeculationConfig", "min_steps", self.min_steps, ">= 1")
         check(1 <= self.early_steps <= self.min_steps, "SpeculationConfig", "early_steps", self.early_steps,
               "in [1, min_steps]")
@@ -229,13 +232,35 @@ class TrainConfig:
 class ServeConfig:
     """The vLLM engine (names follow vLLM's engine arguments)."""
 
-    num_speculative_tokens: int = 3
+    num_speculative_tokens: int = 3  # the most a step drafts; the speculation gate picks 0..this per batch size
+    # vLLM's fixed schedule [[first batch, last batch, k], ...] instead of the gate's choice (empty: the gate)
+    num_speculative_tokens_per_batch_size: tuple[tuple[int, int, int], ...] = ()
     max_num_seqs: int = 8
     max_model_len: int = 1024
     max_num_batched_tokens: int = 1024
     enforce_eager: bool = True
     kv_cache_space_gib: int = 2  # VLLM_CPU_KVCACHE_SPACE on CPU
     seed: int = 0
+
+    def __post_init__(self) -> None:
+        check(self.num_speculative_tokens >= 1, "ServeConfig", "num_speculative_tokens", self.num_speculative_tokens,
+              ">= 1")
+        for first, last, k in self.num_speculative_tokens_per_batch_size:
+            check(1 <= first <= last and 0 <= k <= self.num_speculative_tokens, "ServeConfig",
+                  "num_speculative_tokens_per_batch_size", [first, last, k],
+                  "[first batch >= 1, last batch >= first, 0 <= k <= num_speculative_tokens]")
+
+    def fixed_lengths(self) -> list[int] | None:
+        """The draft length of each batch size 0..max_num_seqs from the fixed schedule (vLLM's rule:
+        a batch size no range names keeps the k of the range before it), or None without one."""
+        if not self.num_speculative_tokens_per_batch_size:
+            return None
+        k, out = 0, [0]
+        ranges = sorted(self.num_speculative_tokens_per_batch_size)
+        for b in range(1, self.max_num_seqs + 1):
+            k = next((kk for first, last, kk in ranges if first <= b <= last), k)
+            out.append(k)
+        return out
 
 
 @dataclass(frozen=True)

@@ -1,17 +1,23 @@
-"""Collection gate (paper Algorithm 1): collect and train only after the workload has shifted.
+"""Collection gate (paper Algorithm 1): collect and train after the workload shifts, and keep
+training while that pays.
 
-Two EMAs of per-request acceptance length, started at the mean of the first `n_init` requests:
+Two EMAs of each request's first-draft acceptance (the share of its drafting steps whose first
+draft was accepted: a per-token measure that does not move when the draft length per step does),
+started at the mean of the first `n_init` requests:
 
-    short <- short + lambda_short * (al - short)        long <- long + lambda_long * (al - long)
+    short <- short + lambda_short * (a - short)        long <- long + lambda_long * (a - long)
 
 A drop of the short below the long by epsilon means the acceptance fell faster than noise explains:
-the workload shifted, start collecting. Once `n_threshold` tokens are stored: TRAIN (once). The new
-draft is deployed only if its eval AL beats what the live draft achieved on the same data; either
-way the gate goes IDLE and re-learns its baseline from the next `n_init` requests, so the level of
-the draft now serving (new or kept) is what a later shift is measured against.
+the workload shifted, start collecting (a regime: every cycle of it trains on all rows stored since
+it started). Once `n_threshold` rows are stored: TRAIN. A draft whose held-out AL beats the live
+draft's on the same data by more than `min_gain` is deployed and the regime goes on: the next cycle
+starts at once (`next_cycle`), from the new draft, on every row stored so far, newer rows included.
+The first cycle that does not beat the live draft by `min_gain` (a plateau) ends the regime:
+REJECT, collection stops, and the gate re-learns its baseline from
+the next `n_init` requests, so the draft now serving is what a later shift is measured against.
 
-States: IDLE -(shift)-> COLLECTING -(n_threshold stored)-> TRAINING -(result)-> IDLE.
-Collection stays on while TRAINING (more data for a retry); `collecting` says whether to capture.
+States: IDLE -(shift)-> COLLECTING -(n_threshold stored)-> TRAINING -(better)-> COLLECTING -> TRAINING
+... -(plateau)-> IDLE. Collection stays on while TRAINING; `collecting` says whether to capture.
 """
 
 from __future__ import annotations
@@ -62,7 +68,7 @@ class CollectionGate:
         self._first: list[float] = []
 
     def on_request(self, al: float) -> Decision[CollectAction]:
-        """Update the EMAs with one request's live AL; COLLECT when IDLE and the workload shifted.
+        """Update the EMAs with one request's live acceptance; COLLECT when IDLE and the workload shifted.
 
         Example (lambdas 0.05 / 0.01, epsilon 0.2): baseline 2.00, then requests at 1.00. After k of
         them short = 1 + 0.95^k, long = 1 + 0.99^k; k = 5: 1.774 vs 1.951, gap 0.177: WAIT;
@@ -70,13 +76,13 @@ class CollectionGate:
         """
         cfg = self.cfg
         if not math.isfinite(al):  # served without speculation (the store records NaN): no evidence
-            return Decision(CollectAction.WAIT, f"request AL {al} ignored")
+            return Decision(CollectAction.WAIT, f"request acceptance {al} ignored")
         if self.short is None or self.long is None or self.baseline is None:
             self._first.append(al)
             if len(self._first) < cfg.n_init:
                 return Decision(CollectAction.WAIT, f"warming up: {len(self._first)}/{cfg.n_init} requests")
             self.short = self.long = self.baseline = sum(self._first) / len(self._first)
-            return Decision(CollectAction.WAIT, f"baseline AL {self.baseline:.2f} from {cfg.n_init} requests")
+            return Decision(CollectAction.WAIT, f"baseline {self.baseline:.2f} from {cfg.n_init} requests")
         self.short += cfg.lambda_short * (al - self.short)
         self.long += cfg.lambda_long * (al - self.long)
         emas = f"short {self.short:.2f}, long {self.long:.2f}, baseline {self.baseline:.2f}"
@@ -99,6 +105,11 @@ class CollectionGate:
         self.state, self.stored_tokens = CollectState.COLLECTING, 0
         return Decision(CollectAction.COLLECT, why)
 
+    def restart(self, why: str) -> Decision[CollectAction]:
+        """COLLECT anew from any state (policy always: every deploy starts the next collection)."""
+        self.state, self.stored_tokens = CollectState.COLLECTING, 0
+        return Decision(CollectAction.COLLECT, why)
+
     def on_stored(self, tokens: int) -> Decision[CollectAction]:
         """Count tokens written to the store; TRAIN once when `n_threshold` are stored since COLLECT."""
         if self.state is CollectState.IDLE:
@@ -111,17 +122,29 @@ class CollectionGate:
         return Decision(CollectAction.TRAIN, progress)
 
     def on_trained(self, version: int, new_al: float, live_al: float) -> Decision[CollectAction]:
-        """DEPLOY draft `version` if its eval AL beats the live draft's AL on the same data, else
-        REJECT; both stop collection and re-learn the baseline. A result nobody waits for is ignored."""
+        """DEPLOY draft `version` if its eval AL beats the live draft's on the same data by more than
+        `min_gain` (the regime goes on: `next_cycle`), else REJECT: a plateau, collection stops and
+        the baseline is re-learnt. A result nobody waits for is ignored."""
         if self.state is not CollectState.TRAINING:
             return Decision(CollectAction.WAIT, f"result for v{version} ignored: {self.state.value}, not training",
                             version)
+        figures = f"eval AL {new_al:.2f} {{}} live draft {live_al:.2f} + {self.cfg.min_gain:g} on the same data"
+        if new_al > live_al + self.cfg.min_gain:
+            self.state = CollectState.COLLECTING
+            return Decision(CollectAction.DEPLOY, figures.format(">") + ": deploy, train on", version)
         self.state, self.stored_tokens = CollectState.IDLE, 0
         self._rebaseline()
-        figures = f"eval AL {new_al:.2f} {{}} live draft {live_al:.2f} on the same data (+{self.cfg.min_gain:g})"
-        if new_al > live_al + self.cfg.min_gain:
-            return Decision(CollectAction.DEPLOY, figures.format(">"), version)
-        return Decision(CollectAction.REJECT, figures.format("<=") + ": keep the live draft, stop collecting", version)
+        return Decision(CollectAction.REJECT, figures.format("<=") + ": a plateau; keep the live draft, stop "
+                                                                     "collecting", version)
+
+    def next_cycle(self) -> Decision[CollectAction]:
+        """After a DEPLOY: TRAIN again at once, from the new draft, on every row of the regime (more
+        epochs on them, and whatever arrived since), until a cycle no longer gains."""
+        if self.state is not CollectState.COLLECTING:
+            return Decision(CollectAction.WAIT, f"no regime to train on: {self.state.value}")
+        self.state = CollectState.TRAINING
+        return Decision(CollectAction.TRAIN, f"the last cycle gained: train again on the regime's "
+                                             f"{self.stored_tokens} rows and whatever arrived since")
 
     def on_training_failed(self, why: str) -> Decision[CollectAction]:
         """The trainer died or gave up: keep collecting; the next stored chunk asks for TRAIN again."""

@@ -1,174 +1,244 @@
-"""Speculation gate (paper Eq. 5): speculate at batch size b only where the acceptance pays for the draft.
+"""Speculation gate (paper Eq. 5, generalised): how many tokens to draft at each batch size, 0 = off.
 
-Plain decoding emits one token per sequence per target pass over b tokens, in T(b). One speculative
-step runs gamma draft steps (D0 each) and one target pass over b*(gamma+1) tokens and emits E[l]
-tokens per sequence (E[l] = acceptance length, 1 + mean accepted drafts). So
+Plain decoding emits one token per sequence per target step over b tokens, in T(b). Drafting k
+tokens a step costs C(b, k) = T(b (k + 1)) + D(b, k): the target verifies k + 1 tokens per sequence
+and the draft runs its passes. It emits E_k tokens per sequence, E_k = 1 + sum_{i <= k} prod_{j <= i}
+a_j, where a_j is the acceptance of draft position j given the ones before it were accepted. So
 
-    speedup(E[l], b) = E[l] / (gamma * D0 / T(b) + T(b*(gamma+1)) / T(b))
+    speedup(b, k) = E_k * T(b) / C(b, k)
 
-and speculation breaks even at E[l]* = (gamma * D0 + T(b*(gamma+1))) / T(b) (`min_acceptance`).
+and the best draft length at batch b is the k in {0..K} that maximises it (k = 0 is plain decoding,
+speedup 1). With one k = K and equal rates a this is Eq. 5: E_K / (K D0 / T(b) + T(b (K+1)) / T(b)).
+T and D come from a `LatencyModel` that serving refits from its own steps; the rates come from live
+drafting steps (`PositionRates`), or, while speculation is off, from the draft's held-out walk.
 """
 
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 
 from tide.config import SpeculationConfig, check
 from tide.control.decision import Decision
-from tide.draft.acceptance import AcceptanceHistogram
+from tide.draft.acceptance import PositionRates
 
 
-@dataclass(frozen=True)
-class LatencyProfile:
-    """Latencies profiled at start-up (a runtime measurement, not configuration).
+def _interpolate(points: list[tuple[float, float]], x: float) -> float:
+    """Piecewise-linear through sorted (x, y) points: flat below the first, the last segment extended
+    above the last (never downwards)."""
+    xs = [p[0] for p in points]
+    i = bisect.bisect_right(xs, x)
+    if i == 0 or len(points) == 1:
+        return points[0][1]
+    if i == len(points):
+        (x0, y0), (x1, y1) = points[-2], points[-1]
+        return y1 + max(y1 - y0, 0.0) / (x1 - x0) * (x - x1)
+    (x0, y0), (x1, y1) = points[i - 1], points[i]
+    return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
 
-    `points`: measured (n_tokens, seconds) of one target forward pass over n tokens, any order;
-    `draft_step_s`: D0, one draft step; `gamma`: draft tokens per speculative step.
-    T(n) is piecewise-linear through the points, flat below the first point (a pass never gets cheaper
-    than the smallest one measured) and the last segment extended above the last (compute-bound, linear).
+
+@dataclass
+class LatencyModel:
+    """What a serving step costs, in seconds: `target[n]`, the step over n tokens without the draft
+    (forward, sampling, the engine's own work), and `draft[(b, k)]`, drafting k tokens for b
+    sequences. The start-up profile fills it (the prior); serving then moves each entry towards what
+    its steps take (`observe_*`, an exponential average with `weight` per step).
+
+    T(n) is piecewise-linear through the measured n; D(b, k) through the measured b at that k, and
+    at a k never measured it scales the nearest measured k linearly (the draft runs one pass a token).
+    Example: target {1: .030, 16: .036}, draft {(1, 1): .002}: T(8.5) = .033, D(1, 3) = .006, and
+    drafting 3 at batch 1 costs T(4) + D(1, 3) = .0312 + .006 against T(1) = .030 for a plain step.
     """
 
-    points: tuple[tuple[int, float], ...]
-    draft_step_s: float
-    gamma: int
+    target: dict[int, float]
+    draft: dict[tuple[int, int], float]
+    gamma: int  # the most tokens a step may draft (vLLM's num_speculative_tokens)
+    weight: float = 0.01  # per step: a few hundred steps of memory
 
     def __post_init__(self) -> None:
-        pts = tuple(sorted((int(n), float(t)) for n, t in self.points))
-        ns = [n for n, _ in pts]
-        check(len(pts) > 0, "LatencyProfile", "points", self.points, "at least one (n_tokens, seconds) pair")
-        check(len(set(ns)) == len(ns), "LatencyProfile", "points", ns, "measured at distinct token counts")
-        check(ns[0] >= 1, "LatencyProfile", "points", ns, "token counts >= 1")
-        check(all(t > 0 for _, t in pts), "LatencyProfile", "points", pts, "latencies > 0 seconds")
-        check(self.draft_step_s >= 0, "LatencyProfile", "draft_step_s", self.draft_step_s, ">= 0 seconds")
-        check(self.gamma >= 1, "LatencyProfile", "gamma", self.gamma, ">= 1 draft token")
-        object.__setattr__(self, "points", pts)
-
-    def target_latency(self, n: float) -> float:
-        """T(n) in seconds. Example: points ((1, .030), (16, .036)) -> T(8.5) = .033, T(31) = .042."""
-        ns = [p[0] for p in self.points]
-        i = bisect.bisect_right(ns, n)
-        if i == 0:
-            return self.points[0][1]
-        if i == len(ns):  # above the grid: extend the last segment (never downwards)
-            if len(ns) == 1:
-                return self.points[0][1]
-            (n0, t0), (n1, t1) = self.points[-2], self.points[-1]
-            return t1 + max(t1 - t0, 0.0) / (n1 - n0) * (n - n1)
-        (n0, t0), (n1, t1) = self.points[i - 1], self.points[i]
-        return t0 + (t1 - t0) * (n - n0) / (n1 - n0)
-
-    def step_cost(self, b: float) -> float:
-        """Cost of one speculative step in units of one plain step: gamma*D0/T(b) + T(b(gamma+1))/T(b)."""
-        assert b >= 1, b
-        t_b = self.target_latency(b)
-        return (self.gamma * self.draft_step_s + self.target_latency(b * (self.gamma + 1))) / t_b
-
-    def predicted_speedup(self, al: float, b: float) -> float:
-        """Eq. 5. Example: T flat 30 ms, D0 2.5 ms, gamma 3: cost 1 + 7.5/30 = 1.25, AL 1.8 -> 1.44x."""
-        return al / self.step_cost(b)
-
-    def min_acceptance(self, b: float) -> float:
-        """The AL at which speculation exactly breaks even (speedup 1); above gamma+1 it never pays.
-
-        T flat: 1 + gamma*D0/T. T(n) = 20 ms + n ms, D0 2 ms, gamma 3, b 4: (6 + 36) / 24 = 1.75 —
-        verifying 16 tokens costs more than decoding 4, so a linear T raises the bar.
-        """
-        return self.step_cost(b)
-
-    def to_json(self) -> dict:
-        return {"points": [list(p) for p in self.points], "draft_step_s": self.draft_step_s, "gamma": self.gamma}
+        check(bool(self.target), "LatencyModel", "target", self.target, "at least one (n_tokens: seconds)")
+        check(all(n >= 1 and t > 0 for n, t in self.target.items()), "LatencyModel", "target", self.target,
+              "token counts >= 1 and latencies > 0 seconds")
+        check(self.gamma >= 1, "LatencyModel", "gamma", self.gamma, ">= 1 draft token")
+        check(all(b >= 1 and 1 <= k <= self.gamma and t >= 0 for (b, k), t in self.draft.items()), "LatencyModel",
+              "draft", self.draft, "(batch >= 1, 1 <= k <= gamma): seconds >= 0")
+        check(0 < self.weight <= 1, "LatencyModel", "weight", self.weight, "in (0, 1]")
 
     @classmethod
-    def from_json(cls, d: dict) -> LatencyProfile:
-        return cls(tuple((int(n), float(t)) for n, t in d["points"]), float(d["draft_step_s"]), int(d["gamma"]))
+    def flat(cls, points: tuple[tuple[int, float], ...], draft_step_s: float, gamma: int) -> LatencyModel:
+        """T through `points`, each draft pass `draft_step_s` whatever the batch (the textbook D0)."""
+        return cls(dict(points), {(1, k): k * draft_step_s for k in range(1, gamma + 1)}, gamma)
+
+    def target_latency(self, n: float) -> float:
+        return _interpolate(sorted(self.target.items()), n)
+
+    def draft_latency(self, b: float, k: int) -> float:
+        if k <= 0:
+            return 0.0
+        ks = sorted({kk for _, kk in self.draft})
+        if not ks:
+            return 0.0
+        near = k if k in ks else min(ks, key=lambda kk: (abs(kk - k), -kk))
+        points = sorted((bb, t) for (bb, kk), t in self.draft.items() if kk == near)
+        return _interpolate(points, b) * k / near
+
+    def step_cost(self, b: float, k: int) -> float:
+        """Seconds of one step at batch b drafting k (k = 0: a plain step)."""
+        return self.target_latency(b * (k + 1)) + self.draft_latency(b, k)
+
+    def break_even(self, b: float, k: int) -> float:
+        """The tokens a step must emit per sequence for drafting k to pay at batch b: C(b, k) / T(b)."""
+        return self.step_cost(b, k) / self.target_latency(b)
+
+    def speedup(self, b: float, k: int, expected_length: float) -> float:
+        return expected_length / self.break_even(b, k)
+
+    def observe_target(self, n: int, seconds: float, steps: int = 1) -> None:
+        self.target[n] = self._towards(self.target.get(n), seconds, steps)
+
+    def observe_draft(self, b: int, k: int, seconds: float, steps: int = 1) -> None:
+        self.draft[(b, k)] = self._towards(self.draft.get((b, k)), seconds, steps)
+
+    def _towards(self, old: float | None, new: float, steps: int) -> float:
+        if old is None:
+            return new
+        w = 1 - (1 - self.weight) ** steps  # `steps` observations at once
+        return old + w * (new - old)
+
+    def to_json(self) -> dict:
+        return {"target": {str(n): t for n, t in sorted(self.target.items())},
+                "draft": {f"{b},{k}": t for (b, k), t in sorted(self.draft.items())}, "gamma": self.gamma}
+
+    @classmethod
+    def from_json(cls, d: dict) -> LatencyModel:
+        draft = {tuple(int(x) for x in key.split(",")): float(t) for key, t in d["draft"].items()}
+        return cls({int(n): float(t) for n, t in d["target"].items()}, draft, int(d["gamma"]))  # type: ignore[misc]
 
 
 class SpecAction(str, Enum):
-    ENABLE = "enable"
-    DISABLE = "disable"
+    ENABLE = "enable"  # speculation comes on at the current batch size
+    DISABLE = "disable"  # ... goes off
+    RESIZE = "resize"  # a draft length changed, speculation stays on (or off) at the current batch size
     STAY = "stay"
 
 
 @dataclass(frozen=True)
 class SpeculationObservation:
-    """What the gate sees at one engine step.
+    """What the gate sees at the end of a window.
 
-    `live`: drafting steps of the recent window while speculating (None or empty while off);
-    `estimate`: simulated acceptance of the current (or newly trained) draft on freshly captured data,
-    the evidence used while off (`live` stands in if there is no estimate). `batch_size`: mean running
-    sequences over the window. `step`, `time_s`: engine step counter and monotonic clock, for dwell.
-    A trainer reports only the mean AL of its held-out walk: `estimate_al` carries it (the held-out
-    set is thousands of drafting steps, so it counts as enough evidence) and wins over `estimate`.
+    `live`: the drafting steps of the recent windows while speculating (None or empty while off);
+    `estimate`: the serving draft's held-out walk (from its training cycle), the evidence while off.
+    `batch_size`: mean running sequences over the window. `step`, `time_s`: engine step counter and
+    clock, for the dwell.
     """
 
     step: int
     time_s: float
     batch_size: float
-    live: AcceptanceHistogram | None = None
-    estimate: AcceptanceHistogram | None = None
-    estimate_al: float | None = None
+    live: PositionRates | None = None
+    estimate: PositionRates | None = None
 
 
+@dataclass
 class SpeculationGate:
-    """Eq. 5 with hysteresis and dwell. Holds only whether speculation is on and since when."""
+    """Holds the draft length of each batch size (`lengths[b]`, 0 = plain) and changes it where the
+    predicted speedup says so, with hysteresis, an evidence rule and a dwell (SpeculationConfig)."""
 
-    def __init__(self, cfg: SpeculationConfig, profile: LatencyProfile, step: int = 0, time_s: float = 0.0) -> None:
-        self.cfg, self.profile = cfg, profile
-        self.enabled = cfg.start_enabled
-        self._since = (step, time_s)  # the last switch (or construction)
+    cfg: SpeculationConfig
+    model: LatencyModel
+    max_batch: int
+    lengths: list[int] = field(default_factory=list)  # index = batch size; [0] unused
+    _since: tuple[int, float] = (0, 0.0)  # the last change (or construction)
+
+    def __post_init__(self) -> None:
+        if not self.lengths:
+            self.lengths = [0] + [self.model.gamma if self.cfg.start_enabled else 0] * self.max_batch
+
+    def length(self, batch: float) -> int:
+        return self.lengths[self._b(batch)]
+
+    def _b(self, batch: float) -> int:
+        return min(max(round(batch), 1), self.max_batch)
+
+    @property
+    def enabled(self) -> bool:
+        """Speculating at some batch size."""
+        return any(self.lengths[1:])
+
+    def speedups(self, b: float, rates: PositionRates, shift: float = 0.0) -> list[float]:
+        """Predicted speedup at batch b of each draft length 0..K (rates moved by `shift` std errors)."""
+        ks = range(1, self.model.gamma + 1)
+        return [1.0] + [self.model.speedup(b, k, rates.expected_length(k, shift)) for k in ks]
 
     def decide(self, obs: SpeculationObservation) -> Decision[SpecAction]:
-        """ENABLE / DISABLE (and record the switch) or STAY, with the numbers behind it.
+        """Recompute every batch size's draft length; report what that means at the current one.
 
-        Example (T flat 30 ms, D0 2.5 ms, gamma 3 -> break-even 1.25): while on, a live AL of 1.15
-        over 256 steps is below 0.95 x 1.25 = 1.19: DISABLE; while off, an estimate of 1.30 is not
-        above 1.10 x 1.25 = 1.375: STAY; an estimate of 1.60 is: ENABLE (once the dwell has passed).
+        Example (T flat 30 ms, D(1, k) = 2.5 ms a token, K 3, max batch 1): live rates [0.6, 0.5, 0.4]
+        over 300 steps give E = 1.6, 1.9, 2.02 for k = 1, 2, 3 and speedups 1.48, 1.63, 1.62: from k 3
+        the best, k 2, gains under 3% (switch_margin): STAY. Rates [0.05, 0, 0] give 0.97, 0.90, 0.84:
+        from k 3, below 1 - margin_off, and plain (1.0) is the best: DISABLE.
         """
-        b = max(obs.batch_size, 1.0)  # an idle engine still has the batch-1 bar
-        cfg, need = self.cfg, self.profile.min_acceptance(b)
-        if self.enabled:
-            hist, src, bar = obs.live, "live", need * (1 - cfg.margin_off)
-        else:
-            est = obs.estimate if obs.estimate is not None else obs.live
-            hist, src, bar = est, "estimated", need * (1 + cfg.margin_on)
-        where = f"break-even {need:.2f} at batch {b:.1f}"
-        if not self.enabled and obs.estimate_al is not None:
-            al, steps, src = obs.estimate_al, cfg.min_steps, "held-out"
-        else:
-            steps = hist.steps if hist is not None else 0
-            al = hist.acceptance_length if hist is not None else 1.0
-            if steps < cfg.min_steps and not (steps >= cfg.early_steps and _clear(hist, bar, cfg.z)):
-                why = f"{src} AL over {steps} < {cfg.min_steps} steps: not enough evidence ({where})"
-                return Decision(SpecAction.STAY, why)
-        speedup = f"predicted {self.profile.predicted_speedup(al, b):.2f}x"
-        certain_loss = self.enabled and al < need and _clear(hist, need, cfg.z)
-        if self.enabled and al >= bar and not certain_loss:
-            return Decision(SpecAction.STAY, f"live AL {al:.2f} >= {bar:.2f} (off bar, {where}; {speedup})")
-        if not self.enabled and al <= bar:
-            return Decision(SpecAction.STAY, f"estimated AL {al:.2f} <= {bar:.2f} (on bar, {where}; {speedup})")
-        cmp, sign = ("<", "-") if self.enabled else (">", "+")
-        margin = cfg.margin_off if self.enabled else cfg.margin_on
-        if self.enabled and al >= bar:  # inside the band, but surely below break-even: a loss, however small
-            why = f"live AL {al:.2f} < {where} by more than {cfg.z:g} standard errors over {steps} steps ({speedup})"
-        else:
-            why = (f"{src} AL {al:.2f} {cmp} {bar:.2f} = (1 {sign} {margin:.2f}) x {where} over {steps} steps "
-                   f"({speedup})")
+        cfg, b_now = self.cfg, self._b(obs.batch_size)
+        on_now = self.lengths[b_now] > 0
+        live = obs.live if obs.live is not None and obs.live.steps else None
+        rates, src = (live, "live") if on_now or obs.estimate is None else (obs.estimate, "held-out")
+        if rates is None:
+            return Decision(SpecAction.STAY, "no acceptance to go on yet")
+        held_out = src == "held-out"
+        enough = held_out or rates.steps >= cfg.min_steps
+        early = not enough and rates.steps >= cfg.early_steps
+        if not (enough or early):
+            return Decision(SpecAction.STAY, f"{src} rates over {rates.steps} < {cfg.min_steps} steps: not enough "
+                                             f"evidence")
+        new = list(self.lengths)
+        for b in range(1, self.max_batch + 1):
+            new[b] = self._choose(b, self.lengths[b], rates, enough, held_out)
+        point = self.speedups(b_now, rates)
+        figures = (f"{src} rates [{', '.join(f'{r:.2f}' for r in rates.rates())}] over {rates.steps} steps, batch "
+                   f"{obs.batch_size:.1f}: predicted {', '.join(f'k{k} {s:.2f}x' for k, s in enumerate(point))}; "
+                   f"draft length by batch {self._table(new)}")
+        if new == self.lengths:
+            return Decision(SpecAction.STAY, figures)
         dwell_steps, dwell_s = obs.step - self._since[0], obs.time_s - self._since[1]
         if dwell_steps < cfg.min_dwell_steps or dwell_s < cfg.min_dwell_s:
-            return Decision(SpecAction.STAY, f"{why}, but only {dwell_steps} steps / {dwell_s:.1f} s since the "
-                                             f"last switch (dwell {cfg.min_dwell_steps} steps, {cfg.min_dwell_s:g} s)")
-        self.enabled, self._since = not self.enabled, (obs.step, obs.time_s)
-        return Decision(SpecAction.ENABLE if self.enabled else SpecAction.DISABLE, why)
+            return Decision(SpecAction.STAY, f"{figures}, but only {dwell_steps} steps / {dwell_s:.1f} s since the "
+                                             f"last change (dwell {cfg.min_dwell_steps} steps, {cfg.min_dwell_s:g} s)")
+        was, self.lengths, self._since = self.lengths[b_now], new, (obs.step, obs.time_s)
+        if was == 0 and new[b_now] > 0:
+            return Decision(SpecAction.ENABLE, figures)
+        if was > 0 and new[b_now] == 0:
+            return Decision(SpecAction.DISABLE, figures)
+        return Decision(SpecAction.RESIZE, figures)
 
+    def _choose(self, b: int, cur: int, rates: PositionRates, enough: bool, held_out: bool) -> int:
+        """The draft length for batch b: the best one where the evidence carries the change.
 
-def _clear(hist: AcceptanceHistogram | None, bar: float, z: float) -> bool:
-    """The AL is more than `z` standard errors from `bar`. The per-step variance comes from the
-    histogram, at least 1/steps (a pseudo-observation), so that n steps that all accepted the same
-    count, e.g. the zero drafts of an untrained head, still leave a bound about 1/n wide."""
-    if hist is None or hist.steps < 2:
-        return False
-    al, n = hist.acceptance_length, hist.steps
-    var = sum(c * (1 + k - al) ** 2 for k, c in enumerate(hist.counts)) / (n - 1)
-    return abs(al - bar) > z * (max(var, 1 / n) / n) ** 0.5
+        With `enough` steps (or a held-out walk) the point estimate decides; from `early_steps` on
+        only a clear case does: the change must also hold at rates `z` standard errors against it.
+        Off -> on needs 1 + margin_on; on -> off a best below 1 - margin_off, or a loss so clear
+        that even rates z errors better cannot pay (a cheap useless draft inside the band); another
+        length needs switch_margin more than the current one.
+        """
+        cfg = self.cfg
+        point = self.speedups(b, rates)
+        best = max(range(len(point)), key=lambda k: (point[k], -k))
+        optimistic = self.speedups(b, rates, +cfg.z) if not held_out else point
+        pessimistic = self.speedups(b, rates, -cfg.z) if not held_out else point
+        if cur > 0 and max(optimistic[1:]) < 1.0:  # surely a loss at every length
+            return 0
+        if best == cur:
+            return cur
+        if cur == 0:
+            gain = point[best] > 1 + cfg.margin_on
+            return best if gain and (enough or pessimistic[best] > 1 + cfg.margin_on) else 0
+        if best == 0:
+            loss = point[cur] < 1 - cfg.margin_off
+            return 0 if loss and (enough or optimistic[cur] < 1 - cfg.margin_off) else cur
+        better = point[best] > point[cur] * (1 + cfg.switch_margin)
+        return best if better and (enough or pessimistic[best] > optimistic[cur]) else cur
+
+    @staticmethod
+    def _table(lengths: list[int]) -> str:
+        return " ".join(f"{b}:{k}" for b, k in enumerate(lengths) if b)
+

@@ -49,3 +49,71 @@ class AcceptanceHistogram:
     def to_json(self) -> dict:
         return {"gamma": self.gamma, "counts": list(self.counts), "acceptance_length": self.acceptance_length,
                 "position_rates": self.position_rates()}
+
+
+@dataclass
+class PositionRates:
+    """Per-position acceptance when the draft length varies from step to step.
+
+    A step that drafts k tokens and has a accepted tried positions 1..min(a + 1, k) and accepted
+    positions 1..a; the conditional rate of position j is accepted[j] / tried[j] (the chance that
+    draft j is right given drafts 1..j-1 were). Example: steps (k=1, a=1), (k=3, a=0), (k=3, a=3):
+    tried [3, 1, 1], accepted [2, 1, 1] -> rates [0.67, 1.0, 1.0]. The expected tokens of a step
+    that drafts k is 1 + sum over i <= k of the product of the first i rates (`expected_length`).
+    """
+
+    gamma: int
+    tried: list[int] = field(default_factory=list)
+    accepted: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.tried = self.tried or [0] * self.gamma
+        self.accepted = self.accepted or [0] * self.gamma
+        assert len(self.tried) == len(self.accepted) == self.gamma
+
+    def add(self, k: int, a: int, n: int = 1) -> None:
+        for j in range(min(a + 1, k)):
+            self.tried[j] += n
+        for j in range(min(a, k)):
+            self.accepted[j] += n
+
+    def merge(self, other: PositionRates) -> None:
+        assert other.gamma == self.gamma
+        self.tried = [x + y for x, y in zip(self.tried, other.tried)]
+        self.accepted = [x + y for x, y in zip(self.accepted, other.accepted)]
+
+    @classmethod
+    def from_histogram(cls, h: AcceptanceHistogram) -> PositionRates:
+        """The rates of steps that all drafted h.gamma tokens (an evaluation's walk)."""
+        r = cls(h.gamma)
+        for a, n in enumerate(h.counts):
+            r.add(h.gamma, a, n)
+        return r
+
+    @property
+    def steps(self) -> int:
+        """Drafting steps behind the rates (every one tried position 1)."""
+        return self.tried[0]
+
+    def rates(self, shift: float = 0.0) -> list[float]:
+        """Conditional rates, each moved by `shift` standard errors (a bound, for decisions that must
+        hold under noise) and kept in [0, 1]. An untried position gets the rate before it (a draft
+        rarely does better further out); the error uses at least one pseudo-observation."""
+        out, prev = [], 1.0
+        for t, a in zip(self.tried, self.accepted):
+            r = a / t if t else prev
+            se = ((max(r * (1 - r), 0.25 / max(t, 1)) / max(t, 1)) ** 0.5) if t else 0.0
+            out.append(min(1.0, max(0.0, r + shift * se)))
+            prev = r
+        return out
+
+    def expected_length(self, k: int, shift: float = 0.0) -> float:
+        """Tokens per step when drafting k: 1 + sum_i prod_{j <= i} rate_j."""
+        total, run = 1.0, 1.0
+        for r in self.rates(shift)[:k]:
+            run *= r
+            total += run
+        return total
+
+    def to_json(self) -> dict:
+        return {"tried": list(self.tried), "accepted": list(self.accepted), "rates": self.rates()}

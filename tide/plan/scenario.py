@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from tide.config import ConfigError, from_dict, load_config
-from tide.control import LatencyProfile
+from tide.control import LatencyModel
 from tide.plan.planner import KNOWN
 
 # Draft trainer, DeepSpeed ZeRO-2 bf16, TTT depth 3, at Llama-3.1-8B dims (H 4096) on one H200
@@ -104,12 +104,12 @@ def trainer_tokens_per_s(gpu: str, hidden: int) -> float | None:
     return REF_TRAIN_TOKENS_PER_S * KNOWN[gpu][1] / KNOWN["H100"][1] * draft_params(REF_HIDDEN) / draft_params(hidden)
 
 
-def latency_profile(s: Scenario) -> LatencyProfile:
+def latency_model(s: Scenario) -> LatencyModel:
     """Eq. 5 through the speculation gate's own code: time in plain steps at the serving batch, so
     T(batch) = 1 (`n` = 1 stands for the batch) and T(batch * (gamma + 1)) = beta.
-    `latency_profile(s).predicted_speedup(al, 1)` = al / (gamma * c + beta)."""
+    `latency_model(s).speedup(1, gamma, al)` = al / (gamma * c + beta)."""
     sv = s.serving
-    return LatencyProfile(((1, 1.0), (sv.gamma + 1, sv.verify_cost)), sv.draft_cost, sv.gamma)
+    return LatencyModel.flat(((1, 1.0), (sv.gamma + 1, sv.verify_cost)), sv.draft_cost, sv.gamma)
 
 
 def group_tokens_per_s(s: Scenario) -> float:

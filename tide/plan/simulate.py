@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from tide.plan.scenario import Scenario, group_tokens_per_s, latency_profile, plain_tokens_per_s
+from tide.plan.scenario import Scenario, group_tokens_per_s, latency_model, plain_tokens_per_s
 
 
 @dataclass(frozen=True)
@@ -92,7 +92,7 @@ class _Loop:
         writers, rates = zip(*s.storage.bandwidth)
         self.bw = float(np.interp(sv.instances, writers, rates))
         self.train_rate = group_tokens_per_s(s)
-        self.profile = latency_profile(s)
+        self.latency = latency_model(s)
         self.t, self.al, self.phase = 0.0, s.al_aligned, -1  # phase: index of the latest shift
         self.collecting, self.training, self.trainer_started, self.cycles = False, False, False, 0
         self.fresh = 0.0  # rows stored since the shift (collection starts after it)
@@ -111,7 +111,7 @@ class _Loop:
     def rates(self) -> tuple[float, float, float]:
         """(served tokens/s, demand bytes/s, written bytes/s) in the current state."""
         sv = self.s.serving
-        served = sv.instances * sv.tokens_per_s * max(1.0, self.profile.predicted_speedup(self.al, 1))
+        served = sv.instances * sv.tokens_per_s * max(1.0, self.latency.speedup(1, sv.gamma, self.al))
         demand = served * sv.keep_fraction * self.bpt if self.collecting else 0.0
         return served, demand, min(demand, self.bw)
 

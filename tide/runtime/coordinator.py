@@ -1,9 +1,10 @@
 """The coordinator (rank 0): applies the control policies to a serving engine and drives trainers.
 
 It is the engine's between-steps hook: it polls role messages, swaps in drafts the collection gate
-accepts, rolls back drafts that collapse live, turns speculation off where it does not pay (and back
-on when a draft's evaluation says it will), turns capture on and off, and asks the trainers for a
-cycle when enough has been stored. Every decision is recorded with its time and reason.
+accepts, rolls back drafts that collapse live, sets how many tokens each batch size drafts (0 where
+speculation does not pay; back on when a draft's evaluation says it will), refits the latency model
+from the steps served, turns capture on and off, and asks the trainers for a cycle when enough has
+been stored. Every decision is recorded with its time and reason.
 
 `control.policy` picks how much of that runs: `adaptive` (all gates), `always` (the paper's
 TIDE-default: speculate, collect, train and deploy without gates) or `frozen` (a static draft: speculate,
@@ -23,13 +24,14 @@ from tide.control import (
     CollectAction,
     CollectionGate,
     Decision,
+    LatencyModel,
     RollbackAction,
     RollbackGate,
     SpecAction,
     SpeculationGate,
     SpeculationObservation,
 )
-from tide.draft.acceptance import AcceptanceHistogram
+from tide.draft.acceptance import AcceptanceHistogram, PositionRates
 from tide.runtime.messages import DraftReady, Heartbeat, Shutdown, Train, TrainFailed, TrainProgress
 from tide.runtime.transport import Transport
 from tide.serve.engine import RequestResult, TideEngine, Window
@@ -55,9 +57,12 @@ class Coordinator:
         self.collect = CollectionGate(cfg.control.collect)
         self.rollback = RollbackGate(cfg.control.rollback, engine.gamma)
         self.gate: SpeculationGate | None = None
-        self._live: deque[AcceptanceHistogram] = deque()  # recent windows' drafting steps while speculating
+        self.model: LatencyModel | None = None  # step latencies: the start-up profile, refit while serving
+        self._reported: dict[str, float] = {}  # the model's figures as last recorded
+        self._live: deque[PositionRates] = deque()  # recent windows' drafting steps while speculating
         self._steps = 0
-        self._estimate_al: float | None = None  # held-out AL of the live draft, from its training cycle
+        self._estimate: PositionRates | None = None  # the serving draft's held-out walk, from its training cycle
+        self.held_out: dict[int, PositionRates] = {}  # each trained draft's held-out walk
         self.events: list[Event] = []
         self.eval_al: dict[int, float] = {engine.version: float("nan")}
         self.cycles_asked = 0
@@ -89,21 +94,29 @@ class Coordinator:
             self._train(d.reason)
         elif d.action is CollectAction.DEPLOY:
             self._deploy(d.version, d.reason)
+            self._apply(self.collect.next_cycle())  # the regime trains on while a cycle gains
         elif d.action is CollectAction.REJECT:
             self.engine.set_capture(False)
             self.record("reject", d.reason, d.version)
 
     # ------------------------------------------------------------------ hooks
     def start(self) -> None:
-        """Profile the latencies the speculation gate needs; a fresh (untrained) draft shows no shift:
-        collect from the start."""
+        """Profile the latencies the speculation gate needs (its prior), set the draft lengths; a fresh
+        (untrained) draft shows no shift: collect from the start."""
+        fixed = self.cfg.serve.fixed_lengths()
         if self.policy == "adaptive" and self.engine.speculative:
-            profile = self.engine.profile(self.cfg.serve.max_num_seqs)
-            self.gate = SpeculationGate(self.cfg.control.speculation, profile)  # clock: serving_starts
-            self.record("profile", f"T(n) {', '.join(f'{n}:{t * 1e3:.1f}' for n, t in profile.points)} ms, "
-                        f"D0 {profile.draft_step_s * 1e3:.1f} ms: break-even AL "
-                        f"{profile.min_acceptance(1):.2f} at batch 1", profile=profile.to_json())
-            self.engine.set_speculation(self.gate.enabled)
+            self.model = self.engine.profile(self.cfg.serve.max_num_seqs)
+            self._reported = self._figures(self.model)
+            m, K = self.model, self.engine.gamma
+            self.record("profile", f"T(n) {', '.join(f'{n}:{t * 1e3:.1f}' for n, t in sorted(m.target.items()))} ms, "
+                        f"D(1, k) {', '.join(f'{m.draft_latency(1, k) * 1e3:.1f}' for k in range(1, K + 1))} ms: "
+                        f"break-even at batch 1 {', '.join(f'k{k} {m.break_even(1, k):.2f}' for k in range(1, K + 1))}",
+                        model=m.to_json())
+            if fixed is None:  # clock: serving_starts
+                self.gate = SpeculationGate(self.cfg.control.speculation, self.model, self.cfg.serve.max_num_seqs)
+                self.engine.set_draft_lengths(self.gate.lengths)
+        if fixed is not None:
+            self.engine.set_draft_lengths(fixed)
         if self.policy == "frozen" or not self.trainer_ranks:  # nothing would learn from what is captured
             self.engine.set_capture(False)
         elif self.policy == "always":
@@ -138,7 +151,7 @@ class Coordinator:
 
     def on_result(self, r: RequestResult) -> None:
         if self.policy != "frozen" and r.speculate and sum(r.accept_counts) > 0:
-            d = self.collect.on_request(r.acceptance_length)
+            d = self.collect.on_request(r.first_acceptance)
             if d.action is not CollectAction.WAIT:
                 self._apply(d)
 
@@ -147,6 +160,7 @@ class Coordinator:
         # A window in which the draft changed, or speculation came back on (requests that span the
         # switch draft from a stale KV cache), is no evidence about the draft: the gates skip it.
         evidence, self._swapped_in_window = not self._swapped_in_window and w.speculate, False
+        self._learn(w)
         if self.gate is not None:
             self._gate(w, evidence)
         if self.collect.collecting and self.trainer_alive:
@@ -157,11 +171,11 @@ class Coordinator:
             if d is not None and d.action is not CollectAction.WAIT:
                 self._apply(d)
         if evidence and self.rollback.watching:
-            d = self.rollback.decide(AcceptanceHistogram(len(w.accept_counts) - 1, list(w.accept_counts)))
+            d = self.rollback.decide(w.position_rates())
             if d.action is RollbackAction.ROLLBACK:
                 self.record("rollback", d.reason, d.version)
                 if d.version is None:
-                    self.engine.set_speculation(False)
+                    self._speculation_off()
                 else:
                     self._swap(d.version)
             elif d.action is RollbackAction.CONFIRM:
@@ -181,48 +195,91 @@ class Coordinator:
                 if self.in_flight and msg.cycle == self.in_flight[0]:
                     self.progress = msg
             elif isinstance(msg, DraftReady):
+                new, base = (PositionRates.from_histogram(AcceptanceHistogram(len(c) - 1, list(c)))
+                             for c in (msg.eval_counts, msg.base_counts))
                 self.record("trained", f"cycle {msg.cycle}: eval AL {msg.eval_al:.3f} (from {msg.base_al:.3f}) on "
-                            f"{msg.train_tokens} tokens in {msg.wall_s:.0f} s", msg.version,
-                            eval_al=msg.eval_al, base_al=msg.base_al, wall_s=msg.wall_s)
-                self.eval_al[msg.version] = msg.eval_al
+                            f"{msg.train_tokens} tokens in {msg.wall_s:.0f} s", msg.version, eval_al=msg.eval_al,
+                            base_al=msg.base_al, wall_s=msg.wall_s, eval_rates=new.rates(), base_rates=base.rates())
+                self.eval_al[msg.version], self.held_out[msg.version] = msg.eval_al, new
                 if self.policy == "always":
                     self.collect.on_trained(msg.version, msg.eval_al, msg.base_al)
                     self._deploy(msg.version, "policy always: deploy every trained draft")
-                    self._apply(self.collect.collect_now("policy always: keep collecting"))
+                    self._apply(self.collect.restart("policy always: collect anew"))
                 else:
                     d = self.collect.on_trained(msg.version, msg.eval_al, msg.base_al)
-                    self._apply(d)
                     if d.action is CollectAction.REJECT and msg.base_version == self.engine.version:
-                        self._estimate_al = msg.base_al  # the live draft on fresh data: the gate's estimate while off
+                        self._estimate = base  # the live draft on fresh data: the gate's evidence while off
+                    self._apply(d)
             elif isinstance(msg, TrainFailed):
                 self.record("train-failed", msg.reason)
                 self._apply(self.collect.on_training_failed(msg.reason))
             elif not isinstance(msg, Heartbeat):
                 log.warning("coordinator: unexpected %s from rank %d", type(msg).__name__, src)
 
-    # ------------------------------------------------------------------ speculation gate
+    # ------------------------------------------------------------------ latency model, speculation gate
+    def _learn(self, w: Window) -> None:
+        """Refit the latency model from the window's steps: the target's part by scheduled tokens, the
+        draft's by (batch, k) (`tide.serve.engine.step_costs`). A refit that moves
+        a headline figure (T(1), T at the largest batch, one draft pass at batch 1) by 10% is an event."""
+        costs = w.costs
+        if not costs or not costs.get("target"):
+            return
+        most = self.cfg.serve.max_num_seqs * (self.engine.gamma + 1)  # decode and verify steps; not prefills
+        target = {int(n): (c, s / c) for n, (c, s) in costs["target"].items() if c and int(n) <= most}
+        draft = {tuple(int(x) for x in key.split(",")): (c, s / c) for key, (c, s) in costs["draft"].items() if c}
+        if self.model is None:  # no start-up profile (policy always or frozen): learn from serving alone
+            if not target:
+                return
+            self.model = LatencyModel({n: t for n, (_, t) in target.items()},
+                                      {key: t for key, (_, t) in draft.items()}, self.engine.gamma)  # type: ignore[misc]
+        else:
+            for n, (c, t) in target.items():
+                self.model.observe_target(n, t, c)
+            for (b, k), (c, t) in draft.items():  # type: ignore[misc]
+                self.model.observe_draft(b, k, t, c)
+        now = self._figures(self.model)
+        moved = [k for k, v in now.items() if abs(v - self._reported.get(k, 0.0)) > 0.1 * max(v, 1e-9)]
+        if moved:
+            self._reported = now
+            self.record("latency", "refit from serving: " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in now.items()),
+                        model=self.model.to_json())
+
+    def _figures(self, m: LatencyModel) -> dict[str, float]:
+        b = self.cfg.serve.max_num_seqs
+        return {"T(1)": m.target_latency(1), f"T({b})": m.target_latency(b), "D(1,1)": m.draft_latency(1, 1)}
+
     def _gate(self, w: Window, evidence: bool) -> None:
         if evidence and w.steps:
-            self._live.append(AcceptanceHistogram(len(w.accept_counts) - 1, list(w.accept_counts)))
-            while len(self._live) > 1 and sum(h.steps for h in self._live) - self._live[0].steps \
+            self._live.append(w.position_rates())
+            while len(self._live) > 1 and sum(r.steps for r in self._live) - self._live[0].steps \
                     >= self.cfg.control.speculation.min_steps:
                 self._live.popleft()
-        live = AcceptanceHistogram(self.engine.gamma)
-        for h in self._live:
-            live.merge(h)
+        live = PositionRates(self.engine.gamma)
+        for r in self._live:
+            live.merge(r)
         d = self.gate.decide(SpeculationObservation(self._steps, self.now(), max(w.mean_batch, 1.0), live,
-                                                    estimate_al=self._estimate_al))
+                                                    self._estimate))
         if d.action is not SpecAction.STAY:
-            self._live.clear()
-            self._swapped_in_window = True  # requests that span the switch draft from a stale KV cache
-            self.engine.set_speculation(d.action is SpecAction.ENABLE)
-            self.record("spec-on" if d.action is SpecAction.ENABLE else "spec-off", d.reason, self.engine.version)
-        if not self.gate.enabled:
+            self.engine.set_draft_lengths(self.gate.lengths)
+            if d.action is not SpecAction.RESIZE:  # requests that span an off -> on switch draft from a stale KV
+                self._live.clear()
+                self._swapped_in_window = True
+            kind = {SpecAction.ENABLE: "spec-on", SpecAction.DISABLE: "spec-off"}.get(d.action, "draft-length")
+            self.record(kind, d.reason, self.engine.version, lengths=list(self.gate.lengths))
+        if self.gate.length(w.mean_batch) == 0:
             self._keep_learning()
+
+    def _speculation_off(self) -> None:
+        if self.gate is not None:
+            self.gate.lengths = [0] * len(self.gate.lengths)
+            self.engine.set_draft_lengths(self.gate.lengths)
+            self._estimate = None
+        else:
+            self.engine.set_speculation(False)
 
     def _keep_learning(self) -> None:
         """While the live draft does not pay, collect for the next cycle (when a trainer is up)."""
-        if self.gate is not None and not self.gate.enabled and self.trainer_alive and not self.collect.collecting:
+        if self.trainer_alive and not self.collect.collecting:
             self._apply(self.collect.collect_now(f"speculation off: draft v{self.engine.version} does not pay yet"))
 
     # ------------------------------------------------------------------ actions
@@ -242,9 +299,9 @@ class Coordinator:
         if not self._swap(version):
             return
         self.record("deploy", reason, version)
-        self._estimate_al = self.eval_al.get(version)
-        if self.policy == "adaptive":
-            self.rollback.watch(version, self.eval_al.get(version, float("nan")), previous)
+        self._estimate = self.held_out.get(version)
+        if self.policy == "adaptive" and self._estimate is not None:
+            self.rollback.watch(version, self._estimate.rates()[0], previous)
         self.engine.set_capture(self.collect.collecting)
 
     def _swap(self, version: int) -> bool:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import msgpack
 
-PROTOCOL = 3  # bump when a message changes incompatibly
+PROTOCOL = 4  # bump when a message changes incompatibly
 
 
 @dataclass(frozen=True)
@@ -47,6 +47,8 @@ class DraftReady:
     base_version: int
     train_tokens: int
     wall_s: float
+    eval_counts: list[int]  # the held-out walk's histogram of accepted drafts per step (train.gamma)
+    base_counts: list[int]
 
 
 @dataclass(frozen=True)

@@ -45,6 +45,8 @@ class Served:
     requests: dict[str, Request]  # every request submitted, by id
     workload: list[dict[str, Any]]  # per segment: passes and whether its `until` was met
     process: dict[str, Any]  # the serving process: engine core placement, cores, threads
+    latency: dict[str, Any] | None  # the latency model at the end (start-up profile, refit while serving)
+    lengths: list[int]  # the draft length of each batch size at the end
 
 
 def serve(cfg: TideConfig, run: RunLayout, segments: list[Segment], transport: Transport | None,
@@ -76,7 +78,7 @@ def serve(cfg: TideConfig, run: RunLayout, segments: list[Segment], transport: T
         results, windows = engine.replay(source, concurrency or cfg.workload.concurrency, cfg.runtime.window_s,
                                          between_steps=coord.between_steps, on_window=show, on_result=finished)
         engine.flush()
-        process = engine.process_info()
+        process, lengths = engine.process_info(), list(engine.lengths)
     finally:
         if transport is not None:
             coord.shutdown("workload done")
@@ -84,7 +86,8 @@ def serve(cfg: TideConfig, run: RunLayout, segments: list[Segment], transport: T
     write_jsonl(run.out / "windows.jsonl", (w.to_json() for w in windows))
     write_jsonl(run.out / "requests.jsonl", (r.to_json() for r in results))
     write_json(run.out / "events.json", [asdict(e) for e in coord.events])
-    return Served(results, windows, coord.events, source.served, source.outcomes, process)
+    latency = coord.model.to_json() if coord.model else None
+    return Served(results, windows, coord.events, source.served, source.outcomes, process, latency, lengths)
 
 
 def nospec_rate(cfg: TideConfig, run: RunLayout, requests: list[Request]) -> dict[str, float]:
@@ -117,7 +120,7 @@ def summarize(cfg: TideConfig, run: RunLayout, s: Served, nospec: dict[str, floa
         "speculation_on_fraction": spec_on_fraction(windows),
         "eval_al_deployed": next((e.data.get("eval_al") for e in reversed(events) if e.kind == "trained"
                                   and e.version == (swaps[-1].version if swaps else None)), None),
-        "workload": s.workload, "serving": s.process,
+        "workload": s.workload, "serving": s.process, "latency_model": s.latency, "draft_lengths": s.lengths,
         "events": [asdict(e) for e in events], "config": to_dict(cfg),
     }
     write_json(run.out / "summary.json", summary)

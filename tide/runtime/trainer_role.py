@@ -82,4 +82,5 @@ def _cycle(trainer, msg: Train, transport: Transport, coordinator: int, leader: 
         transport.send(coordinator, TrainFailed(msg.cycle, "not enough stored data"))
         return
     transport.send(coordinator, DraftReady(msg.cycle, r.version, str(trainer.registry.path(r.version)),
-                                           r.al_after, r.al_before, r.base_version, r.train_tokens, r.wall_s))
+                                           r.al_after, r.al_before, r.base_version, r.train_tokens, r.wall_s,
+                                           r.counts_after, r.counts_before))

@@ -12,16 +12,16 @@ import logging
 import os
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tide.config import ServeConfig
-from tide.draft.acceptance import AcceptanceHistogram
+from tide.draft.acceptance import AcceptanceHistogram, PositionRates
 from tide.model.target import Target
 
 if TYPE_CHECKING:
-    from tide.control import LatencyProfile
+    from tide.control import LatencyModel
 
 log = logging.getLogger(__name__)
 _PROFILE_IDS = itertools.count()
@@ -55,6 +55,12 @@ class RequestResult:
         h = AcceptanceHistogram(len(self.accept_counts) - 1, list(self.accept_counts))
         return h.acceptance_length
 
+    @property
+    def first_acceptance(self) -> float:
+        """Share of the request's drafting steps whose first draft was accepted (NaN: none drafted)."""
+        steps = sum(self.accept_counts)
+        return 1 - self.accept_counts[0] / steps if steps else float("nan")
+
     def to_json(self) -> dict[str, Any]:
         return {**asdict(self), "output_tokens": len(self.output_ids), "acceptance_length": self.acceptance_length}
 
@@ -74,6 +80,13 @@ class Window:
     draft_version: int
     speculate: bool
     stored_tokens: int = 0  # chunk-store tokens written so far by this engine (cumulative)
+    rates: dict[str, list[int]] = field(default_factory=dict)  # PositionRates' tried / accepted per position
+    lengths: list[int] = field(default_factory=list)  # draft length by batch size at the window's end
+    costs: dict[str, Any] = field(default_factory=dict)  # the steps' costs (`step_costs`): the latency model's input
+
+    def position_rates(self) -> PositionRates:
+        gamma = len(self.accept_counts) - 1
+        return PositionRates(gamma, list(self.rates.get("tried", [])), list(self.rates.get("accepted", [])))
 
     @property
     def tokens_per_s(self) -> float:
@@ -102,8 +115,10 @@ class TideEngine:
 
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg.kv_cache_space_gib))
         spec = None
-        if draft_dir is not None:
-            spec = {"method": "eagle3", "model": str(draft_dir), "num_speculative_tokens": cfg.num_speculative_tokens}
+        if draft_dir is not None:  # a (trivial) per-batch schedule turns off vLLM's padding of new decode
+            # requests to 1 + K placeholder drafts; the worker extension picks each step's k itself
+            spec = {"method": "eagle3", "model": str(draft_dir), "num_speculative_tokens": cfg.num_speculative_tokens,
+                    "num_speculative_tokens_per_batch_size": [(1, cfg.max_num_seqs, cfg.num_speculative_tokens)]}
         t0 = time.time()
         self.engine = LLMEngine.from_engine_args(EngineArgs(
             model=str(target.path), dtype=dtype, seed=cfg.seed, enforce_eager=cfg.enforce_eager,
@@ -117,6 +132,8 @@ class TideEngine:
         self.gamma = cfg.num_speculative_tokens if self.speculative else 0
         self.version = version
         self.speculate = self.speculative
+        self.lengths = [self.gamma] * (cfg.max_num_seqs + 1)
+        self.step_walls: list[float] = []  # wall time of each engine step since the last window closed
         if self.speculative:
             meta = asdict(target.chunk_meta()) if store_root else None
             self.rpc("tide_install", str(store_root or ""), meta, chunk_tokens, max_pending_chunks,
@@ -133,6 +150,11 @@ class TideEngine:
     def set_speculation(self, on: bool) -> None:
         if self.speculative:
             self.speculate = self.rpc("tide_set_speculation", bool(on))
+
+    def set_draft_lengths(self, lengths: list[int]) -> None:
+        """The draft length of each batch size (index = batch size, 0 unused): what a step drafts."""
+        if self.speculative:
+            self.lengths = self.rpc("tide_set_draft_lengths", [int(k) for k in lengths])
 
     def set_capture(self, on: bool) -> None:
         if self.speculative:
@@ -172,57 +194,63 @@ class TideEngine:
             self.rpc("tide_close")
         self.engine.engine_core.shutdown()
 
-    def profile(self, max_batch: int, repeats: int = 5) -> LatencyProfile:
-        """Measure the speculation gate's latencies through this engine, before serving.
+    def profile(self, max_batch: int, steps: int = 6, repeats: int = 2) -> LatencyModel:
+        """The latency model's prior, measured through this engine the way serving steps.
 
-        T(n): one step over n new tokens (a prompt of n tokens, speculation off), for n = 1, 2, 4 ...
-        up to max_batch * (gamma + 1); the fastest of `repeats` after a warm-up, since a neighbour
-        process only ever adds time. D0: from decode steps with speculation on at batch 1,
-        D0 = (step - T(gamma + 1)) / gamma, so the profile predicts exactly the step it measured and
-        everything the draft adds (its passes, sampling, bookkeeping) is in D0.
+        For each batch size b (1, 2, 4 ... max_batch), b requests with a 64-token context decode
+        `steps` steps at each draft length k = 0..K; the worker splits every step into the target's
+        part (by scheduled tokens: T(b (k + 1))) and the draft's (D(b, k)), and the engine's own
+        per-step work is added to T. The fastest of `repeats` rounds counts: a neighbour process only
+        ever adds time, and a busy moment hits one round, not one size.
         """
-        from tide.control import LatencyProfile
+        from tide.control import LatencyModel
 
         assert self.speculative and not self._live, "profile an idle speculative engine"
-        was, capture = self.speculate, self.stats(reset=False)["capture"]
+        was, lengths, capture = self.speculate, list(self.lengths), self.stats(reset=False)["capture"]
         self.set_capture(False)  # profiling requests are not workload
-        top = max_batch * (self.gamma + 1)
-        sizes = sorted({2 ** i for i in range(top.bit_length()) if 2 ** i <= top} | {self.gamma + 1, top})
-        vocab = self.engine.model_config.get_vocab_size()
-        ids = [(7919 * i) % (vocab - 10) + 5 for i in range(max(sizes) + 16)]
         self.set_speculation(True)
-        self._timed(ids[:16], 4 * (self.gamma + 1))  # warm-up: first calls build kernels and caches
-        steps = self._timed(ids[:16], 8 * (self.gamma + 1))[1:]  # decode steps after the prefill
-        self.set_speculation(False)
-        best = {n: float("inf") for n in sizes}
-        for _ in range(repeats):  # rounds over all sizes, so that a busy moment hits one round, not one size
-            for n in sizes:
-                best[n] = min(best[n], self._timed(ids[:n], 1)[0])
-        points, floor = [], 0.0
-        for n in sizes:  # the fastest of `repeats` (others only add noise), never below a smaller n
-            floor = max(floor, best[n])
-            points.append((n, floor))
+        sizes = sorted({2 ** i for i in range(max_batch.bit_length()) if 2 ** i <= max_batch} | {max_batch})
+        vocab = self.engine.model_config.get_vocab_size()
+        target: dict[int, float] = {}
+        draft: dict[tuple[int, int], float] = {}
+        for _ in range(repeats):
+            for b in sizes:
+                for n, t in self._profile_batch(b, steps, vocab).items():
+                    table, key = (target, n) if isinstance(n, int) else (draft, n)
+                    table[key] = min(table.get(key, t), t)  # type: ignore[index]
         self.set_speculation(was)
+        self.set_draft_lengths(lengths)
         self.set_capture(capture)
-        t_verify = dict(points)[self.gamma + 1]
-        d0 = max(0.0, (min(steps) - t_verify) / self.gamma)
-        self.stats(reset=True)
-        return LatencyProfile(tuple(points), d0, self.gamma)
+        return LatencyModel(target, draft, self.gamma)
 
-    def _timed(self, prompt_ids: list[int], max_tokens: int) -> list[float]:
-        """Wall time of each engine step of one request run alone (ignores EOS)."""
+    def _profile_batch(self, b: int, steps: int, vocab: int) -> dict[Any, float]:
+        """{n: T(n)} and {(b, k): D(b, k)} from `b` requests decoding `steps` steps at each k."""
         from vllm import SamplingParams, TokensPrompt
 
-        rid = f"tide-profile-{next(_PROFILE_IDS)}"
-        self.engine.add_request(rid, TokensPrompt(prompt_token_ids=prompt_ids),
-                                SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
-        times = []
-        while self.engine.has_unfinished_requests():
-            t0 = time.perf_counter()
-            self.engine.step()
-            times.append(time.perf_counter() - t0)
-        self.rpc("tide_finish", {rid: [len(prompt_ids), max_tokens, "profile"]})
-        return times
+        ids = [f"tide-profile-{next(_PROFILE_IDS)}" for _ in range(b)]
+        for i, rid in enumerate(ids):
+            prompt = [(7919 * (i * 64 + j)) % (vocab - 10) + 5 for j in range(64)]
+            self.engine.add_request(rid, TokensPrompt(prompt_token_ids=prompt),
+                                    SamplingParams(max_tokens=4096, temperature=0.0, ignore_eos=True))
+        out: dict[Any, float] = {}
+        for k in [0, *range(1, self.gamma + 1), 0]:  # the first k = 0 round is the prefill, not measured
+            self.set_draft_lengths([k] * len(self.lengths))
+            self.engine.step()  # the next step drafts k; the one after verifies them
+            self.stats(reset=True)
+            walls = []
+            for _ in range(steps):
+                t0 = time.perf_counter()
+                self.engine.step()
+                walls.append(time.perf_counter() - t0)
+            costs = step_costs(self.stats(reset=True)["step_costs"], walls)
+            for n, (count, secs) in costs["target"].items():
+                out[int(n)] = secs / count
+            for key, (count, secs) in costs["draft"].items():
+                bb, kk = (int(x) for x in key.split(","))
+                out[(bb, kk)] = secs / count
+        self.engine.abort_request(ids)
+        self.rpc("tide_finish", {rid: [64, 0, "profile"] for rid in ids})
+        return out
 
     # ------------------------------------------------------------------ serving
     def submit(self, req: Request, now: float) -> None:
@@ -235,7 +263,9 @@ class TideEngine:
 
     def step(self, now_fn: Callable[[], float]) -> tuple[int, int, list[RequestResult]]:
         """One engine step: (new tokens, batch size, finished requests)."""
+        t0 = time.perf_counter()
         outs = self.engine.step()
+        self.step_walls.append(time.perf_counter() - t0)
         new_tokens, finished = 0, []
         for o in outs:
             n = len(o.outputs[0].token_ids)
@@ -260,8 +290,8 @@ class TideEngine:
             results.append(RequestResult(
                 request_id=o.request_id, workload=req.workload, prompt_tokens=len(o.prompt_token_ids),
                 output_ids=list(o.outputs[0].token_ids), arrival=arrival, finish=now,
-                accept_counts=i.get("accept_counts", [1] + [0] * self.gamma), draft_version=self.version,
-                speculate=self.speculate, captured_rows=i.get("rows", 0)))
+                accept_counts=i.get("accept_counts", [0] * (self.gamma + 1)), draft_version=self.version,
+                speculate=sum(i.get("accept_counts", ())) > 0, captured_rows=i.get("rows", 0)))
         return results
 
     def replay(self, requests: Iterable[Request], concurrency: int = 1, window_s: float = 10.0,
@@ -282,6 +312,7 @@ class TideEngine:
         windows: list[Window] = []
         win = _OpenWindow(0.0)
         self.stats(reset=True)
+        self.step_walls = []
         while nxt is not None or self._live:
             t = now()
             while nxt is not None and (nxt.arrival is not None and nxt.arrival <= t
@@ -306,6 +337,25 @@ class TideEngine:
         return results, windows
 
 
+def step_costs(worker: list[list[float]], walls: list[float]) -> dict[str, dict[str, list[float]]]:
+    """The latency model's observations from a run of steps: {"target": {n: [steps, seconds]},
+    "draft": {"b,k": [steps, seconds]}}. The worker split each step into the target's part and the
+    draft's; what the engine spent on the step beyond the worker (scheduling, output processing) is
+    the target's too, step by step where the two lists pair up, else on average."""
+    extra = [max(0.0, w - (c[3] + c[4])) for w, c in zip(walls, worker)] if len(walls) == len(worker) else \
+        [max(0.0, sum(walls) - sum(c[3] + c[4] for c in worker)) / max(len(worker), 1)] * len(worker)
+    target: dict[str, list[float]] = {}
+    draft: dict[str, list[float]] = {}
+    for (n, b, k, t_target, t_draft), e in zip(worker, extra):
+        for table, key, secs in ((target, str(int(n)), t_target + e), (draft, f"{int(b)},{int(k)}", t_draft)):
+            if table is draft and not k:
+                continue
+            entry = table.setdefault(key, [0, 0.0])
+            entry[0] += 1
+            entry[1] += secs
+    return {"target": target, "draft": draft}
+
+
 class _OpenWindow:
     """The window being filled, step by step; `close` makes it a `Window`."""
 
@@ -319,5 +369,8 @@ class _OpenWindow:
 
     def close(self, t_end: float, eng: TideEngine) -> Window:
         s = eng.stats(reset=True)
+        walls, eng.step_walls = eng.step_walls, []
         return Window(self.t_start, t_end, self.tokens, self.steps, self.batch_sum / max(self.steps, 1),
-                      list(s["accept_counts"]), eng.version, eng.speculate, int(s["writer"].get("tokens", 0)))
+                      list(s["accept_counts"]), eng.version, sum(s["accept_counts"]) > 0,
+                      int(s["writer"].get("tokens", 0)), s.get("rates", {}), s.get("lengths", []),
+                      step_costs(s.get("step_costs", []), walls))

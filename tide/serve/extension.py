@@ -5,15 +5,21 @@ process with `self` = the worker and are called by name through `collective_rpc`
 arguments only: no pickled callables, no insecure serialization; bulk data moves through files).
 
 Hook points (vLLM 0.32, see the seam notes):
+- `runner.execute_model`: marks the start of a step (its scheduled tokens and batch size).
 - `runner.propose_draft_token_ids` (outer): per-step accepted counts from `sampled_token_ids`
-  (-1 marks rejected slots).
+  (-1 marks rejected slots), per request and per draft position; picks this step's draft length k
+  from the batch size (`lengths[b]`, set by the speculation gate); times the step.
 - `runner.drafter.propose` (inner): sees the EAGLE-3 aux rows of every scheduled token,
   `target_hidden_states` [N, k*H]. Rows of request i are `query_start_loc[i]:query_start_loc[i+1]`;
-  its last `num_rejected[i]` rows are rejected drafts. Kept: prompt rows and accepted rows. While
-  speculation is off this hook returns no drafts without running the draft at all (vLLM's K = 0
-  result), so "off" costs what plain decoding costs. The price: the draft's KV cache misses the
-  positions decoded while off, so requests that span a switch back on draft a little worse until
-  they finish (verification keeps the output exact either way).
+  its last `num_rejected[i]` rows are rejected drafts. Kept: prompt rows and accepted rows. It then
+  drafts k tokens: vLLM's proposer runs exactly k passes when given `num_speculative_tokens=k`
+  (the scheduler and the rejection sampler take any count up to K per request). With k = 0 it
+  returns no drafts without running the draft at all, so "off" costs what plain decoding costs. The
+  price: the draft's KV cache misses the positions decoded while off, so requests that span a switch
+  back on draft a little worse until they finish (verification keeps the output exact either way).
+
+Each step's cost is split into the target's part (the step without the draft) and the draft's, by
+the number of scheduled tokens and by (batch, k): the observations the latency model learns from.
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from tide.draft.acceptance import AcceptanceHistogram
+from tide.draft.acceptance import AcceptanceHistogram, PositionRates
 from tide.store import ChunkMeta, ChunkWriter, Run, bf16_to_u16
 
 
@@ -40,17 +46,27 @@ class _Pending:
 
 
 class _State:
-    def __init__(self, gamma: int) -> None:
+    def __init__(self, gamma: int, max_batch: int) -> None:
         self.gamma = gamma
-        self.speculate = True
+        self.speculate = True  # master switch; when on, a step at batch b drafts lengths[b]
+        self.lengths = [gamma] * (max_batch + 1)
         self.capture = True
         self.version = 0
         self.writer: ChunkWriter | None = None
         self.pending: dict[str, _Pending] = {}  # captured rows of live requests
         self.accepted: dict[str, list[int]] = {}  # accepted drafts per drafting step of live requests
         self.hist = AcceptanceHistogram(gamma)  # since the last tide_stats(reset=True)
+        self.rates = PositionRates(gamma)  # the same steps by draft position
         self.steps = 0
         self.captured_rows = 0
+        self.step_start, self.step_tokens = 0.0, 0  # of the step in flight (execute_model)
+        self.k_next, self.draft_s = 0, 0.0  # this step's draft length, and what drafting took
+        # per step: [scheduled tokens, batch, k drafted, seconds without the draft, seconds drafting]
+        self.step_costs: list[list[float]] = []
+
+    def reset_window(self) -> None:
+        self.hist, self.rates = AcceptanceHistogram(self.gamma), PositionRates(self.gamma)
+        self.step_costs = []
 
 
 class TideWorkerExtension:
@@ -64,7 +80,7 @@ class TideWorkerExtension:
         runner = self.model_runner  # type: ignore[attr-defined]
         gamma = self.vllm_config.speculative_config.num_speculative_tokens  # type: ignore[attr-defined]
         if not hasattr(self, "_tide"):
-            self._tide = _State(gamma)
+            self._tide = _State(gamma, self.vllm_config.scheduler_config.max_num_seqs)  # type: ignore[attr-defined]
             self._tide_wrap(runner)
         st = self._tide
         st.capture, st.speculate, st.version = capture, speculate, version
@@ -79,30 +95,52 @@ class TideWorkerExtension:
 
     def _tide_wrap(self, runner: Any) -> None:
         st = self._tide
+        execute_orig = runner.execute_model
         outer_orig = runner.propose_draft_token_ids
         propose_orig = runner.drafter.propose
+        sync = _synchronizer(runner.device)
+
+        def execute_model(scheduler_output, *args, **kwargs):
+            st.step_start, st.step_tokens = time.perf_counter(), scheduler_output.total_num_scheduled_tokens
+            st.draft_s = 0.0
+            return execute_orig(scheduler_output, *args, **kwargs)
 
         def outer(scheduler_output, sampled_token_ids, sampling_metadata, hidden_states, sample_hidden_states,
                   aux_hidden_states, spec_decode_metadata, common_attn_metadata, slot_mappings):
+            req_ids = runner.input_batch.req_ids
             if spec_decode_metadata is not None:  # some request verified drafts this step
                 valid = (sampled_token_ids != -1).sum(1).tolist()  # [n] = 1 + accepted
-                for rid, nd, v in zip(runner.input_batch.req_ids, spec_decode_metadata.num_draft_tokens, valid):
+                for rid, nd, v in zip(req_ids, spec_decode_metadata.num_draft_tokens, valid):
                     if nd > 0:
                         st.hist.add(v - 1)
+                        st.rates.add(nd, v - 1)
                         st.accepted.setdefault(rid, []).append(v - 1)
             st.steps += 1
-            return outer_orig(scheduler_output, sampled_token_ids, sampling_metadata, hidden_states,
-                              sample_hidden_states, aux_hidden_states, spec_decode_metadata,
-                              common_attn_metadata, slot_mappings)
+            b = len(req_ids)
+            st.k_next = st.lengths[min(b, len(st.lengths) - 1)] if st.speculate else 0
+            out = outer_orig(scheduler_output, sampled_token_ids, sampling_metadata, hidden_states,
+                             sample_hidden_states, aux_hidden_states, spec_decode_metadata,
+                             common_attn_metadata, slot_mappings)
+            sync()
+            took = time.perf_counter() - st.step_start
+            st.step_costs.append([st.step_tokens, b, st.k_next, took - st.draft_s, st.draft_s])
+            return out
 
         def propose(**kw):
             if st.capture:
                 self._tide_capture(runner, kw)
-            if not st.speculate:  # K = 0 without the draft's forward: off costs what plain decoding costs
+            if st.k_next == 0:  # no draft's forward at all: off costs what plain decoding costs
                 n = kw["common_attn_metadata"].batch_size()
                 return torch.empty(n, 0, dtype=torch.int64, device=kw["next_token_ids"].device)
-            return propose_orig(**kw)
+            kw["num_speculative_tokens"] = st.k_next
+            sync()
+            t0 = time.perf_counter()
+            drafts = propose_orig(**kw)
+            sync()
+            st.draft_s = time.perf_counter() - t0
+            return drafts
 
+        runner.execute_model = execute_model
         runner.propose_draft_token_ids = outer
         runner.drafter.propose = propose
 
@@ -136,6 +174,12 @@ class TideWorkerExtension:
     def tide_set_speculation(self, on: bool) -> bool:
         self._tide.speculate = bool(on)
         return self._tide.speculate
+
+    def tide_set_draft_lengths(self, lengths: list[int]) -> list[int]:
+        """The draft length of each batch size (index 0 unused), each clamped to 0..K."""
+        st = self._tide
+        st.lengths = [min(max(int(k), 0), st.gamma) for k in lengths] or st.lengths
+        return st.lengths
 
     def tide_set_capture(self, on: bool) -> bool:
         self._tide.capture = bool(on)
@@ -173,11 +217,12 @@ class TideWorkerExtension:
 
     def tide_stats(self, reset: bool = True) -> dict[str, Any]:
         st = self._tide
-        s = dict(accept_counts=list(st.hist.counts), steps=st.steps, captured_rows=st.captured_rows,
-                 version=st.version, speculate=st.speculate, capture=st.capture,
-                 writer=st.writer.stats() if st.writer else {})
+        s = dict(accept_counts=list(st.hist.counts), rates=dict(tried=st.rates.tried, accepted=st.rates.accepted),
+                 steps=st.steps, captured_rows=st.captured_rows, version=st.version, speculate=st.speculate,
+                 lengths=list(st.lengths), capture=st.capture, writer=st.writer.stats() if st.writer else {},
+                 step_costs=st.step_costs)
         if reset:
-            st.hist = AcceptanceHistogram(st.gamma)
+            st.reset_window()
         return s
 
     def tide_stored_since(self, since_ns: int) -> int:
@@ -245,3 +290,10 @@ def _copy_rows(hidden: torch.Tensor, idx: torch.Tensor) -> np.ndarray:
         host.copy_(rows, non_blocking=True)
     side.synchronize()
     return bf16_to_u16(host)
+
+
+def _synchronizer(device: torch.device) -> Any:
+    """Waits for the device's queued work, so that a wall clock times it (a no-op on the CPU)."""
+    if device.type == "cuda":
+        return lambda: torch.cuda.synchronize(device)
+    return lambda: None

@@ -15,7 +15,7 @@ import os
 import socket
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -24,6 +24,7 @@ from torch import nn
 
 from tide.config import TideConfig, TrainConfig
 from tide.draft import DraftRegistry, Eagle3Draft, init_draft, load_draft, set_vocab, target_heads
+from tide.draft.acceptance import AcceptanceHistogram
 from tide.model.target import Target
 from tide.store import ChunkMeta, ChunkReader, Run, bf16_to_u16, is_eval
 from tide.train.data import Batch, Sequence, batches, sequences
@@ -116,6 +117,8 @@ class CycleResult:
     source_chunks: list[str]
     recompute_s: float = 0.0  # train.signals = recompute: time the target spent regenerating hidden states
     base_version: int = 0  # the draft this cycle started from (al_before is its figure)
+    counts_before: list[int] = field(default_factory=list)  # the held-out walk's acceptance histograms
+    counts_after: list[int] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -186,7 +189,7 @@ class DraftTrainer:
         device = torch.device(get_accelerator().device_name())
         eval_batches = batches(held, cfg.batch_tokens, cfg.gamma, shuffle=False)
         report("eval")
-        al_before = self._evaluate(draft, eval_batches, device)
+        before = self._evaluate(draft, eval_batches, device)
 
         train_batches = batches(train, cfg.batch_tokens, cfg.ttt_depth, shuffle=True, seed=cfg.seed + base_version)
         mine = train_batches[self.rank :: self.world] or train_batches[:1]
@@ -216,17 +219,19 @@ class DraftTrainer:
         train_s = time.time() - t_train
         trained = engine.module.draft
         trained.float()
-        result = CycleResult(version=0, al_before=al_before, al_after=0.0, train_tokens=tokens * self.world,
+        result = CycleResult(version=0, al_before=before.acceptance_length, al_after=0.0,
+                             counts_before=list(before.counts), train_tokens=tokens * self.world,
                              steps=total, wall_s=0.0, tokens_per_s=tokens * self.world / max(train_s, 1e-9),
                              final_loss=loss_v, vocab_coverage=coverage, source_chunks=[p.name for p in chunks],
                              recompute_s=self.recompute_s - recompute_s, base_version=base_version)
         if self.rank == 0:
             report("publish", total, total, loss_v)
-            result.al_after = self._evaluate(trained, eval_batches, device)
+            after = self._evaluate(trained, eval_batches, device)
+            result.al_after, result.counts_after = after.acceptance_length, list(after.counts)
             result.wall_s = time.time() - t_start
             result.version = self.registry.publish(trained.cpu(), result.to_json())
             log.info("trainer: published v%d  AL %.3f -> %.3f  (%d tokens, %d steps, %.0f s)", result.version,
-                     al_before, result.al_after, result.train_tokens, total, result.wall_s)
+                     result.al_before, result.al_after, result.train_tokens, total, result.wall_s)
         _barrier()
         return result
 
@@ -249,11 +254,11 @@ class DraftTrainer:
         self.recompute_s += time.time() - t0
         return out
 
-    def _evaluate(self, draft: Eagle3Draft, eval_batches: list[Batch], device: torch.device) -> float:
+    def _evaluate(self, draft: Eagle3Draft, eval_batches: list[Batch], device: torch.device) -> AcceptanceHistogram:
         draft = draft.to(device).eval()
         hist = simulate_acceptance(draft, [b.to(device) for b in eval_batches], self.cfg.gamma)
         draft.train()
-        return hist.acceptance_length
+        return hist
 
 
 def _reporter(on_progress: Callable[[dict[str, Any]], None] | None) -> Callable[..., None]:

@@ -22,6 +22,8 @@ BENCHES: dict[str, str] = {
     "training-cycle": "workflows.bench.learning:training_cycle",
     "controller-accuracy": "workflows.bench.control:controller_accuracy",
     "never-worse": "workflows.bench.control:never_worse",
+    "off-cost": "workflows.bench.control:off_cost",
+    "adaptive-k": "workflows.bench.control:adaptive_k",
     "cpu-gemm": "workflows.bench.serving:cpu_gemm",
 }
 

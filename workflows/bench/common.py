@@ -9,7 +9,14 @@ from tide.model.target import Target
 from tide.serve.engine import Request
 from tide.workload import build_requests
 
-DEFAULT = Path(__file__).resolve().parents[2] / "configs" / "local.yaml"
+ROOT = Path(__file__).resolve().parents[2]
+DEFAULT = ROOT / "configs" / "local.yaml"
+BASE_DRAFT = ROOT / "drafts" / "smollm2-chat"  # workflows/base_draft's SmolLM2 draft, kept in the repository
+
+
+def base_draft() -> Path | None:
+    """The committed base draft for SmolLM2, where it has been built."""
+    return BASE_DRAFT if (BASE_DRAFT / "model.safetensors").exists() else None
 
 
 def smollm2() -> Target:

@@ -1,106 +1,230 @@
-"""`controller-accuracy` and `never-worse`: the speculation gate's model against measured serving."""
+"""The speculation gate against measured serving: `controller-accuracy`, `never-worse`, `off-cost`
+and `adaptive-k`. Every comparison runs in alternating pairs (the order flipped every pair, so that
+drift cancels) on the same prompts and cores; each figure comes with its per-pair spread."""
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
+import statistics
 import time
 from pathlib import Path
 from typing import Any
 
 from tide.config import load_config
+from tide.control import LatencyModel, SpeculationGate, SpeculationObservation
 from tide.draft import DraftRegistry, init_draft, save_draft
-from tide.draft.acceptance import AcceptanceHistogram
+from tide.draft.acceptance import PositionRates
 from tide.serve.engine import Request, TideEngine
-from workflows.bench.common import DEFAULT, requests, smollm2
+from workflows.bench.common import DEFAULT, base_draft, requests, smollm2
 
 
-def _setup(work: Path) -> tuple[Any, Any, Path]:
-    """The embedded default's config and target, and an untrained head at work/drafts/v0."""
-
+def _setup(work: Path, gamma: int) -> tuple[Any, Any, dict[str, Path]]:
+    """The embedded default's config (serving `gamma` drafts at most), its target, and the drafts to
+    compare: an untrained head and, when built, the base draft."""
     cfg, target = load_config(DEFAULT), smollm2()
+    cfg = dataclasses.replace(cfg, serve=dataclasses.replace(cfg.serve, num_speculative_tokens=gamma))
     shutil.rmtree(work, ignore_errors=True)
     v0 = DraftRegistry(work / "drafts").path(0)
     save_draft(init_draft(target.path, target.layer_ids, cfg.draft.draft_vocab_size), v0)
-    return cfg, target, v0
+    drafts = {"untrained": v0}
+    if base_draft() is not None:
+        drafts["base"] = base_draft()
+    return cfg, target, drafts
 
 
-def _serve(eng: TideEngine, reqs: list[Request], b: int, tag: str) -> tuple[float, float, float]:
-    """(tokens/s, AL, mean batch) of `reqs` as a closed loop of `b`."""
-    reqs = [Request(f"{tag}-{r.request_id}", r.prompt_ids, r.max_tokens, None, r.workload) for r in reqs]
+def _serve(eng: TideEngine, reqs: list[Request], b: int, tag: str, **hooks: Any) -> tuple[float, PositionRates, float]:
+    """(tokens/s, position rates, mean batch) of `reqs` served as a closed loop of `b`."""
+    reqs = [Request(f"{tag}-{time.monotonic_ns()}-{r.request_id}", r.prompt_ids, r.max_tokens, None, r.workload)
+            for r in reqs]
     t0 = time.perf_counter()
-    res, wins = eng.replay(reqs, concurrency=b, window_s=1e9)
+    res, wins = eng.replay(reqs, concurrency=b, window_s=hooks.pop("window_s", 1e9), **hooks)
     wall = time.perf_counter() - t0
-    hist = AcceptanceHistogram(eng.gamma)
-    for r in res:
-        hist.merge(AcceptanceHistogram(eng.gamma, list(r.accept_counts)))
+    rates = PositionRates(max(eng.gamma, 1))
+    for w in wins:
+        if w.rates:
+            rates.merge(w.position_rates())
     batch = sum(w.mean_batch * w.steps for w in wins) / max(sum(w.steps for w in wins), 1)
-    return sum(len(r.output_ids) for r in res) / wall, hist.acceptance_length, batch
+    return sum(len(r.output_ids) for r in res) / wall, rates, batch
+
+
+def _pairs(n: int, first, second) -> list[tuple[Any, Any]]:
+    """n (first(), second()) pairs, run in alternating order."""
+    out = []
+    for i in range(n):
+        if i % 2:
+            b = second()
+            a = first()
+        else:
+            a = first()
+            b = second()
+        out.append((a, b))
+    return out
+
+
+def _spread(ratios: list[float]) -> dict[str, float]:
+    return {"mean": statistics.fmean(ratios), "median": statistics.median(ratios), "min": min(ratios),
+            "max": max(ratios)}
+
+
+def _speedup_pairs(eng: TideEngine, reqs: list[Request], b: int, k: int, pairs: int) -> list[tuple[Any, Any]]:
+    """Drafting k against plain decoding (speculation off), the same engine and prompts."""
+
+    def on() -> tuple[float, PositionRates, float]:
+        eng.set_speculation(True)
+        eng.set_draft_lengths([k] * len(eng.lengths))
+        return _serve(eng, reqs, b, "on")
+
+    def off() -> tuple[float, PositionRates, float]:
+        eng.set_speculation(False)
+        return _serve(eng, reqs, b, "off")
+
+    return _pairs(pairs, on, off)
 
 
 def controller_accuracy(work: Path, data: Path, quick: bool = False) -> dict[str, Any]:
-    """Eq. 5 with the start-up profile against measured speedup (speculation on over off, same engine,
-    same prompts) over batch sizes 1, 2, 4 and drafts of different acceptance: the untrained head and
-    the GSM8K-trained one of `draft-learning`, on GSM8K test questions."""
-
-    cfg, target, v0 = _setup(work)
-    drafts = {"untrained": v0}
-    trained = work.parent / "draft-learning" / "drafts" / "v1"
-    if (trained / "model.safetensors").exists():
-        drafts["gsm8k-trained"] = trained
-    eng = TideEngine(target, cfg.serve, v0, dtype=cfg.model.dtype, capture=False)
-    rows = []
+    """Eq. 5, generalised, against measured speedup: the latency model of the start-up profile and the
+    live position rates predict drafting k = 1 and 3 at batch 1, 2 and 4; measured is drafting k over
+    plain decoding (speculation off), same engine, same GSM8K test prompts, in alternating pairs."""
+    cfg, target, drafts = _setup(work, 3)
+    eng = TideEngine(target, cfg.serve, drafts["untrained"], dtype=cfg.model.dtype, capture=False)
+    rows, pairs = [], 2 if quick else 3
     try:
-        profile = eng.profile(cfg.serve.max_num_seqs)
+        model = eng.profile(cfg.serve.max_num_seqs)
         for v, (name, path) in enumerate(drafts.items()):
             eng.swap(path, v)
             for b in (1, 2, 4):
-                reqs = requests(target, data, "gsm8k", "gsm8k/test.jsonl", (2 if quick else 4) * b, 96, f"{name}{b}")
-                eng.set_speculation(True)
-                on, al, batch = _serve(eng, reqs, b, "on")
-                eng.set_speculation(False)
-                off, _, batch_off = _serve(eng, reqs, b, "off")
-                predicted = profile.predicted_speedup(al, batch)
-                rows.append({"draft": name, "batch": b, "mean_batch": batch, "al": al, "tokens_per_s_on": on,
-                             "tokens_per_s_off": off, "measured_speedup": on / off, "predicted_speedup": predicted,
-                             "rel_error": abs(predicted - on / off) / (on / off)})
-                print(f"{name:>14} b={b} (mean {batch:.2f}) AL {al:.2f}: measured {on / off:.3f}x "
-                      f"predicted {predicted:.3f}x  ({rows[-1]['rel_error']:.1%})", flush=True)
+                reqs = requests(target, data, "gsm8k", "gsm8k/test.jsonl", 2 * b, 64 if quick else 96, f"{name}{b}")
+                for k in (1, 3):
+                    runs = _speedup_pairs(eng, reqs, b, k, pairs)
+                    rates = PositionRates(3)
+                    for (_, r, _), _ in runs:
+                        rates.merge(r)
+                    batch = statistics.fmean(run[2] for run, _ in runs)
+                    measured = [a[0] / o[0] for a, o in runs]
+                    predicted = model.speedup(batch, k, rates.expected_length(k))
+                    m = statistics.fmean(measured)
+                    rows.append({"draft": name, "batch": b, "k": k, "mean_batch": batch, "rates": rates.rates(),
+                                 "expected_length": rates.expected_length(k), "measured": _spread(measured),
+                                 "predicted_speedup": predicted, "rel_error": abs(predicted - m) / m})
+                    print(f"{name:>10} b={b} k={k} rates {[round(x, 2) for x in rates.rates()]}: measured "
+                          f"{m:.3f}x ({min(measured):.3f}-{max(measured):.3f}) predicted {predicted:.3f}x "
+                          f"({rows[-1]['rel_error']:.1%})", flush=True)
     finally:
         eng.close()
     errors = [r["rel_error"] for r in rows]
-    return {"max_rel_error": max(errors), "mean_rel_error": sum(errors) / len(errors),
-            "profile": profile.to_json(), "break_even_batch1": profile.min_acceptance(1), "rows": rows,
-            "dtype": cfg.model.dtype}
+    return {"max_rel_error": max(errors), "mean_rel_error": statistics.fmean(errors), "pairs": pairs,
+            "model": model.to_json(), "rows": rows, "dtype": cfg.model.dtype,
+            "draft_step_over_target_step": model.draft_latency(1, 1) / model.target_latency(1)}
 
 
 def never_worse(work: Path, data: Path, quick: bool = False) -> dict[str, Any]:
-    """A useless draft (untrained, no trainer) under TIDE's gate against plain vLLM, same prompts,
-    same cores, one after the other in one run: `ratio_vs_nospec` = TIDE tokens/s over plain."""
+    """A useless draft (untrained, no trainer) under TIDE's gate against plain vLLM (no speculative
+    config): `ratio_vs_nospec` = TIDE tokens/s over plain, in alternating pairs on the same prompts.
+    The gate keeps its state from pair to pair, as a running server would; the first pair includes
+    the seconds before the untrained draft is turned off."""
     from tide.runtime.coordinator import Coordinator
-    from tide.runtime.serve_role import spec_on_fraction
 
-    cfg, target, v0 = _setup(work)
-    reqs = requests(target, data, "humaneval", "humaneval/HumanEval.jsonl.gz", 16 if quick else 40,
-                     cfg.workload.max_tokens, "nw")
-    eng = TideEngine(target, cfg.serve, v0, dtype=cfg.model.dtype, capture=False)
+    cfg, target, drafts = _setup(work, load_config(DEFAULT).serve.num_speculative_tokens)
+    reqs = requests(target, data, "humaneval", "humaneval/HumanEval.jsonl.gz", 8 if quick else 16,
+                    cfg.workload.max_tokens, "nw")
+    eng = TideEngine(target, cfg.serve, drafts["untrained"], dtype=cfg.model.dtype, capture=False)
+    plain = TideEngine(target, cfg.serve, None, dtype=cfg.model.dtype)
     try:
         coord = Coordinator(cfg, eng, None, trainer_ranks=[], drafts_root=str(work / "drafts"))
-        coord.start()  # profiles T(n) and D0 before the clock starts, like the main job
+        coord.start()  # profiles before the clock starts, like the main job
         coord.serving_starts()
-        t0 = time.perf_counter()
-        res, wins = eng.replay(reqs, cfg.workload.concurrency, cfg.runtime.window_s, between_steps=coord.between_steps,
-                               on_window=coord.on_window, on_result=coord.on_result)
-        tide = sum(len(r.output_ids) for r in res) / (time.perf_counter() - t0)
+        hooks = dict(between_steps=coord.between_steps, on_window=coord.on_window, on_result=coord.on_result,
+                     window_s=cfg.runtime.window_s)
+        runs = _pairs(3 if quick else 6, lambda: _serve(eng, reqs, 1, "tide", **hooks),
+                      lambda: _serve(plain, reqs, 1, "plain"))
     finally:
         eng.close()
-    plain_eng = TideEngine(target, cfg.serve, None, dtype=cfg.model.dtype)
-    try:
-        plain, _, _ = _serve(plain_eng, reqs, cfg.workload.concurrency, "plain")
-    finally:
-        plain_eng.close()
+        plain.close()
+    ratios = [t[0] / p[0] for t, p in runs]
     off = next((e for e in coord.events if e.kind == "spec-off"), None)
-    return {"ratio_vs_nospec": tide / plain, "tokens_per_s_tide": tide, "tokens_per_s_nospec": plain,
+    return {"ratio_vs_nospec": statistics.fmean(ratios), "pairs": _spread(ratios), "pair_ratios": ratios,
+            "tokens_per_s_tide": statistics.fmean(t[0] for t, _ in runs),
+            "tokens_per_s_nospec": statistics.fmean(p[0] for _, p in runs),
             "spec_off_at_s": off.t if off else None, "spec_off_reason": off.reason if off else None,
-            "speculation_on_fraction": spec_on_fraction(wins),
-            "requests": len(res), "output_tokens": sum(len(r.output_ids) for r in res),
-            "window_s": cfg.runtime.window_s}
+            "requests_per_run": len(reqs)}
+
+
+def off_cost(work: Path, data: Path, quick: bool = False) -> dict[str, Any]:
+    """What a speculative engine costs with speculation off, against a plain engine (no speculative
+    config), batch 1: alternating pairs, capture off and on, and where the difference goes (the
+    worker's per-step split: the target's step, vLLM's engine work around it)."""
+    cfg, target, drafts = _setup(work, load_config(DEFAULT).serve.num_speculative_tokens)
+    reqs = requests(target, data, "humaneval", "humaneval/HumanEval.jsonl.gz", 4 if quick else 8,
+                    cfg.workload.max_tokens, "oc")
+    eng = TideEngine(target, cfg.serve, drafts["untrained"], dtype=cfg.model.dtype, store_root=work / "store")
+    plain = TideEngine(target, cfg.serve, None, dtype=cfg.model.dtype)
+    out: dict[str, Any] = {}
+    try:
+        eng.set_speculation(False)
+        for capture in (False, True):
+            eng.set_capture(capture)
+            runs = _pairs(3 if quick else 6, lambda: _serve(eng, reqs, 1, "off"),
+                          lambda: _serve(plain, reqs, 1, "plain"))
+            ratios = [o[0] / p[0] for o, p in runs]
+            out[f"capture_{'on' if capture else 'off'}"] = {"ratio_off_over_plain": statistics.fmean(ratios),
+                                                            "pairs": _spread(ratios), "pair_ratios": ratios}
+    finally:
+        eng.close()
+        plain.close()
+    out["ratio_off_over_plain"] = out["capture_off"]["ratio_off_over_plain"]
+    return out
+
+
+def adaptive_k(work: Path, data: Path, quick: bool = False) -> dict[str, Any]:
+    """The base draft with the gate choosing k per step against each fixed k (1, 2, 3), at batch 1 and
+    4, in rounds that alternate the order; the gate is warmed up (its rates and refit latencies) on one
+    unmeasured run first, as a server that has been running a while."""
+    cfg, target, drafts = _setup(work, 3)
+    if "base" not in drafts:
+        raise ValueError("adaptive-k: needs the base draft (python -m workflows.base_draft)")
+    eng = TideEngine(target, cfg.serve, drafts["base"], dtype=cfg.model.dtype, capture=False)
+    rows = []
+    try:
+        model = eng.profile(cfg.serve.max_num_seqs)
+        for b in (1, 4):
+            reqs = requests(target, data, "gsm8k", "gsm8k/test.jsonl", 2 * b, 64 if quick else 128, f"ak{b}")
+            rows.append(_adaptive_row(cfg, eng, model, reqs, b, 2 if quick else 3))
+    finally:
+        eng.close()
+    return {"rows": rows}
+
+
+def _adaptive_row(cfg: Any, eng: TideEngine, model: LatencyModel, reqs: list[Request], b: int,
+                  rounds: int) -> dict[str, Any]:
+    gate = SpeculationGate(cfg.control.speculation, LatencyModel.from_json(model.to_json()), cfg.serve.max_num_seqs)
+    steps = [0]
+
+    def adapt(w: Any) -> None:
+        steps[0] += w.steps
+        gate.decide(SpeculationObservation(steps[0], time.monotonic(), max(w.mean_batch, 1.0),
+                                           w.position_rates() if w.rates else None))
+        eng.set_draft_lengths(gate.lengths)
+
+    def run(name: str) -> float:
+        if name == "adaptive":
+            eng.set_draft_lengths(gate.lengths)
+            return _serve(eng, reqs, b, name, on_window=adapt, window_s=2.0)[0]
+        eng.set_draft_lengths([int(name[1])] * len(eng.lengths))
+        return _serve(eng, reqs, b, name)[0]
+
+    run("adaptive")  # warm-up: the gate learns the rates (and the engine's caches warm)
+    order = ["adaptive", "k1", "k2", "k3"]
+    runs: dict[str, list[float]] = {name: [] for name in order}
+    for r in range(rounds):
+        for name in order if r % 2 == 0 else order[::-1]:
+            runs[name].append(run(name))
+    means = {name: statistics.fmean(v) for name, v in runs.items()}
+    best = max(("k1", "k2", "k3"), key=lambda k: means[k])
+    default = f"k{load_config(DEFAULT).serve.num_speculative_tokens}"
+    row = {"batch": b, "tokens_per_s": means, "runs": runs, "lengths": list(gate.lengths), "best_fixed": best,
+           "adaptive_over_best_fixed": means["adaptive"] / means[best],
+           "adaptive_over_default": means["adaptive"] / means[default]}
+    print(f"b={b}: " + ", ".join(f"{k} {v:.1f}" for k, v in means.items()) +
+          f" tok/s; adaptive/best fixed ({best}) {row['adaptive_over_best_fixed']:.3f}", flush=True)
+    return row
