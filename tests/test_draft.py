@@ -2,11 +2,12 @@
 
 import json
 
+import pytest
 import torch
 from safetensors import safe_open
 
 from tide.draft import DraftRegistry, init_draft, load_draft, save_draft
-from tide.draft.io import read_target_tensors
+from tide.draft.io import checked_weights, read_target_tensors, weight_shapes
 
 VLLM_NAMES = {
     "fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d",
@@ -72,3 +73,27 @@ def test_unrolled_forward_is_causal(tiny_target):
     for a, b in zip(outs, outs2):
         assert torch.allclose(a[:, :7], b[:, :7], atol=1e-5)
         assert not torch.allclose(a[:, 7:], b[:, 7:])
+
+
+def test_a_bad_draft_is_refused_with_one_line_naming_file_and_field(tiny_target, tmp_path):
+    good = save_draft(init_draft(tiny_target.path, tiny_target.layer_ids, draft_vocab_size=64),
+                      tmp_path / "good", {"target_hash": "abc"})
+    shapes = weight_shapes(good)
+    assert set(checked_weights(good, shapes, "abc")) == VLLM_NAMES
+
+    def refused(d, match, target_hash="abc"):
+        with pytest.raises(ValueError, match=match) as e:
+            checked_weights(d, shapes, target_hash)
+        assert "\n" not in str(e.value) and str(d) in str(e.value)
+
+    other = save_draft(init_draft(tiny_target.path, tiny_target.layer_ids, draft_vocab_size=32), tmp_path / "other")
+    refused(other, r": (d2t|lm_head.weight): shape \(32")
+    refused(good, "target_hash abc is not", target_hash="xyz")
+    nan = init_draft(tiny_target.path, tiny_target.layer_ids, draft_vocab_size=64)
+    with torch.no_grad():
+        nan.fc.weight[0, 0] = float("nan")
+    refused(save_draft(nan, tmp_path / "nan"), "fc.weight: NaN")
+    cut = tmp_path / "cut"
+    cut.mkdir()
+    (cut / "model.safetensors").write_bytes((good / "model.safetensors").read_bytes()[:1000])
+    refused(cut, "not a readable safetensors file")

@@ -104,6 +104,36 @@ def save_draft(model: Eagle3Draft, out_dir: Path, meta: dict[str, Any] | None = 
     return out_dir
 
 
+def weight_shapes(draft_dir: Path) -> dict[str, tuple[int, ...]]:
+    """Tensor name -> shape of a published draft, from the safetensors header alone."""
+    with safe_open(str(Path(draft_dir) / WEIGHTS), framework="pt") as f:
+        return {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+
+
+def checked_weights(draft_dir: Path, shapes: dict[str, tuple[int, ...]], target_hash: str = "") -> dict[str, Any]:
+    """The tensors of a draft to swap in, or ValueError with one line naming the file and what is
+    wrong: unreadable (a truncated or foreign file), a draft of another target (meta.json's
+    target_hash), other tensor names or shapes than `shapes` (the serving draft's), NaN or Inf."""
+    path = Path(draft_dir) / WEIGHTS
+    try:
+        weights = load_file(str(path))
+    except Exception as e:  # safetensors raises its own error kinds for a truncated or garbled file
+        raise ValueError(f"{path}: not a readable safetensors file ({type(e).__name__}: {e})"[:300]) from None
+    meta_file = Path(draft_dir) / "meta.json"
+    theirs = json.loads(meta_file.read_text()).get("target_hash", "") if meta_file.exists() else ""
+    if target_hash and theirs and theirs != target_hash:
+        raise ValueError(f"{meta_file}: target_hash {theirs} is not the serving target's {target_hash}: "
+                         "a draft of another model")
+    if set(weights) != set(shapes):
+        raise ValueError(f"{path}: tensors {sorted(set(weights) ^ set(shapes))[:4]} differ from the serving draft's")
+    for name, t in weights.items():
+        if tuple(t.shape) != shapes[name]:
+            raise ValueError(f"{path}: {name}: shape {tuple(t.shape)}, the serving draft has {shapes[name]}")
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            raise ValueError(f"{path}: {name}: NaN or Inf weights")
+    return weights
+
+
 def load_draft(draft_dir: Path, target_dir: Path) -> Eagle3Draft:
     """Load a saved head; the embeddings come from the target (the draft does not store them)."""
     draft_dir = Path(draft_dir)

