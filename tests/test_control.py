@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import random
 from dataclasses import dataclass, field
 
@@ -94,14 +95,27 @@ def test_latencies_interpolate_extend_and_learn() -> None:
     assert m.draft_latency(2.5, 1) == pytest.approx(0.0035)  # between the measured batches
     assert m.draft_latency(1, 2) == 0.0035 and m.draft_latency(1, 3) == pytest.approx(0.0035 * 3 / 2)
     assert m.draft_latency(4, 0) == 0.0 and m.step_cost(1, 0) == 0.030
-    dip = LatencyModel({1: 0.030, 8: 0.029}, {}, 1)
-    assert dip.target_latency(100) == 0.029  # a measured dip never extrapolates downwards
-    m.observe_target(1, 0.040, steps=1)
-    assert m.target[1] == pytest.approx(0.030 + 0.01 * 0.010)
-    m.observe_target(1, 0.040, steps=2000)
-    assert m.target[1] == pytest.approx(0.040, abs=1e-6)  # many steps: the new figure
-    m.observe_draft(2, 3, 0.009)
-    assert m.draft[(2, 3)] == 0.009  # a first observation is taken as it is
+    dip = LatencyModel({1: 0.030, 4: 0.026, 8: 0.029}, {}, 1)
+    assert dip.target_latency(4) == dip.target_latency(100) == 0.030  # a measured dip is levelled
+
+
+def test_serving_refits_the_machine_speed_at_once_and_each_shape_slowly() -> None:
+    """A trainer starting on the same cores slows plain steps (all the gate sees while speculation is off):
+    every entry slows with them, so the cost of drafting relative to a plain step stays what it was."""
+    m = LatencyModel({4: 0.010, 8: 0.012}, {(4, 1): 0.002}, gamma=1)
+    bar = m.break_even(4, 1)
+    m.observe_target(4, 0.020, steps=1)
+    assert m.scale == pytest.approx(1 + 0.01 * 1.0)
+    m.observe_target(4, 0.020, steps=2000)
+    near = functools.partial(pytest.approx, rel=1e-3)
+    assert m.target_latency(4) == near(0.020) and m.target_latency(8) == near(0.024)
+    assert m.draft_latency(4, 1) == near(0.004) and m.break_even(4, 1) == near(bar)
+    for _ in range(100):  # plain and verify steps both seen, verify steps slower than profiled: the shape moves
+        m.observe_target(4, 0.020, steps=50)
+        m.observe_target(8, 0.030, steps=50)
+    assert m.target_latency(8) / m.target_latency(4) == pytest.approx(1.5, rel=0.05) and m.break_even(4, 1) > bar
+    m.observe_draft(2, 1, 0.009)
+    assert m.draft_latency(2, 1) == pytest.approx(0.009)  # a first observation is taken as it is
     assert LatencyModel.from_json(m.to_json()) == m
 
 

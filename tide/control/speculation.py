@@ -16,8 +16,10 @@ drafting steps (`PositionRates`), or, while speculation is off, from the draft's
 from __future__ import annotations
 
 import bisect
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Any
 
 from tide.config import SpeculationConfig, check
 from tide.control.decision import Decision
@@ -42,11 +44,19 @@ def _interpolate(points: list[tuple[float, float]], x: float) -> float:
 class LatencyModel:
     """What a serving step costs, in seconds: `target[n]`, the step over n tokens without the draft
     (forward, sampling, the engine's own work), and `draft[(b, k)]`, drafting k tokens for b
-    sequences. The start-up profile fills it (the prior); serving then moves each entry towards what
-    its steps take (`observe_*`, an exponential average with `weight` per step).
+    sequences, both times `scale`. The start-up profile fills the tables (the prior, scale 1).
 
-    T(n) is piecewise-linear through the measured n; D(b, k) through the measured b at that k, and
-    at a k never measured it scales the nearest measured k linearly (the draft runs one pass a token).
+    Serving refits it from its own steps (`observe_*`), in two parts. `scale` is how fast the machine
+    runs now against the tables: every step moves it (exponential average, `weight` per step), so a
+    trainer that starts beside serving on the same cores, or stops, slows or speeds every entry at
+    once. Each entry's own shape moves much more slowly (`shape_weight`), only from its own steps.
+    One scale keeps the comparisons consistent: the gate weighs T(b) (plain steps, seen all the time)
+    against T(b (k + 1)) (verify steps, not seen while speculation is off), and an entry refit alone
+    would compare a slow moment with a fast one.
+
+    T(n) is piecewise-linear through the measured n and never falls with n (more tokens never cost
+    less: a noisy dip is levelled); D(b, k) likewise through the measured b at that k, and at a k never
+    measured it scales the nearest measured k linearly (the draft runs one pass a token).
     Example: target {1: .030, 16: .036}, draft {(1, 1): .002}: T(8.5) = .033, D(1, 3) = .006, and
     drafting 3 at batch 1 costs T(4) + D(1, 3) = .0312 + .006 against T(1) = .030 for a plain step.
     """
@@ -54,7 +64,9 @@ class LatencyModel:
     target: dict[int, float]
     draft: dict[tuple[int, int], float]
     gamma: int  # the most tokens a step may draft (vLLM's num_speculative_tokens)
-    weight: float = 0.01  # per step: a few hundred steps of memory
+    scale: float = 1.0
+    weight: float = 0.01  # per step, of `scale`: a few hundred steps of memory
+    shape_weight: float = 0.001  # per step, of an entry against the others
 
     def __post_init__(self) -> None:
         check(bool(self.target), "LatencyModel", "target", self.target, "at least one (n_tokens: seconds)")
@@ -63,7 +75,9 @@ class LatencyModel:
         check(self.gamma >= 1, "LatencyModel", "gamma", self.gamma, ">= 1 draft token")
         check(all(b >= 1 and 1 <= k <= self.gamma and t >= 0 for (b, k), t in self.draft.items()), "LatencyModel",
               "draft", self.draft, "(batch >= 1, 1 <= k <= gamma): seconds >= 0")
-        check(0 < self.weight <= 1, "LatencyModel", "weight", self.weight, "in (0, 1]")
+        check(self.scale > 0, "LatencyModel", "scale", self.scale, "> 0")
+        check(0 < self.shape_weight <= self.weight <= 1, "LatencyModel", "weight", (self.weight, self.shape_weight),
+              "0 < shape_weight <= weight <= 1")
 
     @classmethod
     def flat(cls, points: tuple[tuple[int, float], ...], draft_step_s: float, gamma: int) -> LatencyModel:
@@ -71,17 +85,20 @@ class LatencyModel:
         return cls(dict(points), {(1, k): k * draft_step_s for k in range(1, gamma + 1)}, gamma)
 
     def target_latency(self, n: float) -> float:
-        return _interpolate(sorted(self.target.items()), n)
+        return self.scale * self._target(n)
 
     def draft_latency(self, b: float, k: int) -> float:
-        if k <= 0:
-            return 0.0
+        return self.scale * self._draft(b, k)
+
+    def _target(self, n: float) -> float:
+        return _interpolate(_rising(self.target.items()), n)
+
+    def _draft(self, b: float, k: int) -> float:
         ks = sorted({kk for _, kk in self.draft})
-        if not ks:
+        if k <= 0 or not ks:
             return 0.0
         near = k if k in ks else min(ks, key=lambda kk: (abs(kk - k), -kk))
-        points = sorted((bb, t) for (bb, kk), t in self.draft.items() if kk == near)
-        return _interpolate(points, b) * k / near
+        return _interpolate(_rising((bb, t) for (bb, kk), t in self.draft.items() if kk == near), b) * k / near
 
     def step_cost(self, b: float, k: int) -> float:
         """Seconds of one step at batch b drafting k (k = 0: a plain step)."""
@@ -95,25 +112,43 @@ class LatencyModel:
         return expected_length / self.break_even(b, k)
 
     def observe_target(self, n: int, seconds: float, steps: int = 1) -> None:
-        self.target[n] = self._towards(self.target.get(n), seconds, steps)
+        self._observe(self.target, n, self._target(n), seconds, steps)
 
     def observe_draft(self, b: int, k: int, seconds: float, steps: int = 1) -> None:
-        self.draft[(b, k)] = self._towards(self.draft.get((b, k)), seconds, steps)
+        self._observe(self.draft, (b, k), self._draft(b, k), seconds, steps)  # type: ignore[arg-type]
 
-    def _towards(self, old: float | None, new: float, steps: int) -> float:
-        if old is None:
-            return new
-        w = 1 - (1 - self.weight) ** steps  # `steps` observations at once
-        return old + w * (new - old)
+    def _observe(self, table: dict, key: Any, predicted: float, seconds: float, steps: int) -> None:
+        """`steps` steps at `key` took `seconds` each: the scale moves towards seconds / (table's figure),
+        then the entry towards seconds / scale. An entry seen for the first time is taken as it is."""
+        if key not in table or predicted <= 0:
+            table[key] = seconds / self.scale
+            return
+        self.scale += _share(self.weight, steps) * (seconds / predicted - self.scale)
+        table[key] += _share(self.shape_weight, steps) * (seconds / self.scale - table[key])
 
     def to_json(self) -> dict:
         return {"target": {str(n): t for n, t in sorted(self.target.items())},
-                "draft": {f"{b},{k}": t for (b, k), t in sorted(self.draft.items())}, "gamma": self.gamma}
+                "draft": {f"{b},{k}": t for (b, k), t in sorted(self.draft.items())}, "gamma": self.gamma,
+                "scale": self.scale}
 
     @classmethod
     def from_json(cls, d: dict) -> LatencyModel:
         draft = {tuple(int(x) for x in key.split(",")): float(t) for key, t in d["draft"].items()}
-        return cls({int(n): float(t) for n, t in d["target"].items()}, draft, int(d["gamma"]))  # type: ignore[misc]
+        return cls({int(n): float(t) for n, t in d["target"].items()}, draft, int(d["gamma"]),  # type: ignore[misc]
+                   float(d.get("scale", 1.0)))
+
+
+def _rising(points: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Sorted points with each y raised to the largest y before it."""
+    out: list[tuple[float, float]] = []
+    for x, y in sorted(points):
+        out.append((x, max(y, out[-1][1]) if out else y))
+    return out
+
+
+def _share(weight: float, steps: int) -> float:
+    """The weight of `steps` observations at once in an exponential average of `weight` per step."""
+    return 1 - (1 - weight) ** steps
 
 
 class SpecAction(str, Enum):
