@@ -203,14 +203,16 @@ def test_a_regime_trains_on_while_cycles_gain_and_stops_at_a_plateau(tmp_path: P
 
 
 def test_the_gate_sets_the_draft_lengths_from_the_live_rates(tmp_path: Path) -> None:
-    """K 3 from the start; a draft that accepts nothing is turned off at every batch size, and the
-    engine is told; a trainer being up, collection starts for the next draft."""
+    """K 3 from the start, a base draft serving and learning the live workload from the start (no
+    draft has seen it); one that accepts nothing is turned off at every batch size, and the engine
+    is told."""
     engine, transport = FakeEngine(tmp_path), ListTransport()
     cfg = config("adaptive")
     cfg = dataclasses.replace(cfg, draft=dataclasses.replace(cfg.draft, init="some-base-draft"))
     coord = Coordinator(cfg, engine, transport, trainer_ranks=[1], drafts_root=str(tmp_path))
     coord.start()
-    assert engine.lengths == [0, 3, 3, 3, 3] and not engine.capture
+    assert engine.lengths == [0, 3, 3, 3, 3] and engine.capture
+    assert coord.events[-1].kind == "collect" and "learn the live workload" in coord.events[-1].reason
     coord.on_window(window(engine, first=0.0, steps=300))
-    assert engine.lengths == [0, 0, 0, 0, 0] and [e.kind for e in coord.events][-2:] == ["spec-off", "collect"]
+    assert engine.lengths == [0, 0, 0, 0, 0] and coord.events[-1].kind == "spec-off"
     engine.writer.close()

@@ -46,10 +46,10 @@ def test_modes_behave_as_named(replay):
     assert always["versions_deployed"] and always["speculation_on_fraction"] == 1.0
     assert not any(e["kind"] in ("spec-off", "spec-on") for e in s["events"]["tide-always"])
     assert s["modes"]["nospec"]["speculation_on_fraction"] == 0.0
-    # the static draft was trained offline on code prompts that are not in the workload
-    assert (out / "static" / "drafts" / "v1" / "model.safetensors").exists()
-    for mode in ("tide", "tide-always", "tide-recompute"):
-        assert (out / mode / "drafts" / "v0" / "model.safetensors").exists()
+    # every mode but nospec starts from the base draft (draft.init), which static serves frozen
+    base = (ROOT / "runs" / "base-drafts" / "tiny-chat" / "model.safetensors").read_bytes()
+    for mode in ("static", "tide", "tide-always", "tide-recompute"):
+        assert (out / mode / "drafts" / "v0" / "model.safetensors").read_bytes() == base
 
 
 def test_tide_collects_and_trains_after_the_shift(replay):
@@ -74,7 +74,7 @@ def test_recompute_mode_regenerates_the_hidden_states(replay):
 def test_bad_experiment_is_one_clear_line(tmp_path):
     bad = tmp_path / "bad.yaml"
     text = (ROOT / CONFIG).read_text()
-    bad.write_text(text.replace("static_prompts: 48", "static_prompts: 48\n  modes: [tide, turbo]"))
+    bad.write_text(text.replace("replay:\n", "replay:\n  modes: [tide, turbo]\n"))
     p = subprocess.run([sys.executable, "-m", "workflows.replay", "--config", str(bad), "--out", str(tmp_path / "o")],
                        cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert p.returncode == 2
@@ -85,13 +85,16 @@ def test_bad_experiment_is_one_clear_line(tmp_path):
 @pytest.mark.slurm
 @pytest.mark.timeout(900)
 def test_the_replay_as_slurm_jobs(cluster: dict[str, str], tmp_path: Path) -> None:
-    """--executor slurm: the static draft, an array job of the modes, then the report (afterok)."""
-    out = tmp_path / "run"
-    p = subprocess.run([sys.executable, "-m", "workflows.replay", "--config", CONFIG, "--out", str(out),
+    """--executor slurm: a job builds the base draft (a fresh draft.init here), an array job serves the
+    modes side by side, then a job writes the report (each afterok)."""
+    out, config = tmp_path / "run", tmp_path / "ci-shift.yaml"
+    config.write_text((ROOT / CONFIG).read_text().replace("init: runs/base-drafts/tiny-chat",
+                                                          f"init: {tmp_path / 'tiny-chat'}"))
+    p = subprocess.run([sys.executable, "-m", "workflows.replay", "--config", str(config), "--out", str(out),
                         "--modes", "nospec,static", "--executor", "slurm"],
                        cwd=ROOT, capture_output=True, text=True, timeout=840)
     assert p.returncode == 0, p.stderr[-4000:]
     s = json.loads((out / "summary.json").read_text())
     assert list(s["modes"]) == ["nospec", "static"] and s["modes"]["static"]["overall"]["acceptance_length"] > 1.0
-    assert re.search(r"modes nospec,static: array job \d+", p.stderr) and (out / "report.md").stat().st_size > 0
-    assert (out / "static" / "drafts" / "v1" / "model.safetensors").exists()
+    assert re.search(r"replay: base draft: job \d+", p.stderr) and re.search(r"array job \d+", p.stderr)
+    assert (tmp_path / "tiny-chat" / "card.json").exists() and (out / "report.md").stat().st_size > 0

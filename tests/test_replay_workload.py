@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tide.config import ConfigError, WorkloadConfig
+from tide.config import ConfigError, UntilConfig, WorkloadConfig
 from tide.workload import (
     Arrivals,
     Phase,
@@ -274,3 +274,26 @@ def test_the_prompt_sets_in_the_repository_match_their_checksums() -> None:
     assert p.returncode == 0, p.stdout + p.stderr
     listed = {line.split(maxsplit=1)[1] for line in (DATA / "SHA256SUMS").read_text().splitlines()}
     assert listed == {str(f.relative_to(DATA)) for f in DATA.rglob("*") if f.is_file()} - {"SHA256SUMS", "README.md"}
+
+
+def test_a_phase_repeats_until_a_cycle_started_in_it_has_trained() -> None:
+    """`until: {event: trained}` waits for a cycle that trained on the phase: one still in flight from
+    the phase before does not end it; requests are served again as `ID~k` meanwhile."""
+    from tide.runtime.coordinator import Event
+    from tide.serve.engine import Request, RequestResult
+    from tide.workload.source import RequestSource, Segment
+
+    reqs = [Request(f"t{i}", [1, 2], 4, None, "translation") for i in range(2)]
+    events: list[Event] = []
+    src = RequestSource([Segment(reqs, UntilConfig(event="trained", event_requests=1, max_s=60))], events, True)
+    served = []
+    for req in src:
+        served.append(req.request_id)
+        src.observe(RequestResult(req.request_id, "translation", 2, [0], 0.0, 0.0, [], 0, True))
+        if len(served) == 3:
+            events.append(Event(1.0, "trained", "cycle 1, started before the phase"))
+        elif len(served) == 5:
+            events += [Event(2.0, "train", "cycle 2"), Event(3.0, "trained", "cycle 2")]
+        assert len(served) < 20
+    assert served[:6] == ["t0", "t1", "t0~1", "t1~1", "t0~2", "t1~2"] and len(served) == 6
+    assert src.outcomes[0]["until_met"]

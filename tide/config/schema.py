@@ -223,6 +223,11 @@ class TrainConfig:
     precision: Literal["auto", "bf16", "fp32"] = "auto"
     gamma: int = 3  # draft tokens per step in the simulated-acceptance evaluation
     seed: int = 0
+    # evaluate the held-out walk every this many steps, keep the best weights, stop after `patience`
+    # evaluations without a gain (0: evaluate once, at the end)
+    eval_every: int = 0
+    patience: int = 2
+    prompt_loss: bool = False  # also learn to predict prompt tokens (serving drafts output tokens only)
     # captured: train on the hidden states serving captured (TIDE); recompute: regenerate them with the
     # target from the stored tokens first, once per request, and count that time (the baseline)
     signals: Literal["captured", "recompute"] = "captured"
@@ -274,7 +279,9 @@ class UntilConfig:
     """
 
     trained_requests: int = 0  # requests served with speculation on by a draft deployed in this run (phase)
-    event: str = ""  # a kind of events.json (trained, deploy, trainer-down, ...) that must have happened ...
+    # a kind of events.json (trained, deploy, trainer-down, ...) that must have happened in the phase (for a
+    # cycle's outcome, trained, deploy or reject: of a cycle started in the phase, which trained on it) ...
+    event: str = ""
     event_requests: int = 0  # ... and this many requests finished after it
     max_s: float = 0.0  # seconds; required when a condition is given, alone it is the run's length
 

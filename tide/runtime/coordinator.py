@@ -121,10 +121,10 @@ class Coordinator:
             self.engine.set_capture(False)
         elif self.policy == "always":
             self._apply(self.collect.collect_now("policy always: collect from the start"))
-        elif self.engine.version == 0 and not self.cfg.draft.init:
-            self._apply(self.collect.collect_now("serving an untrained draft (v0)"))
-        else:
-            self.engine.set_capture(False)
+        else:  # no draft has seen this workload yet: a regime from the start (it ends at the first plateau)
+            start = "an untrained draft" if self.engine.version == 0 and not self.cfg.draft.init else \
+                f"draft v{self.engine.version}"
+            self._apply(self.collect.collect_now(f"serving starts with {start}: learn the live workload"))
 
     def serving_starts(self) -> None:
         """Event times count from here (the replay's clock); earlier events (profile) get negative times."""

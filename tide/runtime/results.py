@@ -24,33 +24,58 @@ def segment(results: list[RequestResult]) -> dict[str, float]:
 
 
 def plot_run(path: Path, windows: list[Window], events: list[Any], title: str) -> None:
-    """Acceptance length and tokens/s over time, with hot-swaps and other decisions marked."""
+    """What a user needs to read a run, over time: the live acceptance length against the break-even
+    of the draft length in use (the latency model then), shading where speculation was off, each
+    deployed draft's held-out figure at its deployment, when each cycle trained; tokens/s below."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from tide.control import LatencyModel
+    from tide.draft.acceptance import PositionRates
+
+    ev = [e if isinstance(e, dict) else asdict(e) for e in events]
+    models = [(e["t"], LatencyModel.from_json(e["data"]["model"])) for e in ev if "model" in e.get("data", {})]
+    fig, (ax, ax2) = plt.subplots(2, 1, figsize=(10, 6), sharex=True, height_ratios=[3, 1])
     t = [(w.t_start + w.t_end) / 2 for w in windows]
-    fig, ax = plt.subplots(figsize=(10, 4.5))
-    ax.plot(t, [w.acceptance_length if sum(w.accept_counts) else float("nan") for w in windows],
-            "o-", color="tab:blue", label="acceptance length")
-    ax.set_xlabel("time (s)")
-    ax.set_ylabel("acceptance length (tokens / target step)")
-    ax2 = ax.twinx()
-    ax2.plot(t, [w.tokens_per_s for w in windows], "-", color="tab:gray", alpha=0.6, label="tokens/s")
-    ax2.set_ylabel("tokens/s")
-    colors = {"swap": "tab:green", "rollback": "tab:red", "train": "tab:orange", "speculation-off": "tab:purple",
-              "speculation-on": "tab:purple"}
-    for e in events:
-        e = e if isinstance(e, dict) else asdict(e)
-        if e["kind"] in colors:
-            ax.axvline(e["t"], color=colors[e["kind"]], ls="--", lw=1)
-            if e["kind"] == "swap":
-                ax.annotate(f"v{e['version']}", (e["t"], ax.get_ylim()[1]), fontsize=8, ha="left", va="top")
+    ax.plot(t, [w.acceptance_length if w.speculate else float("nan") for w in windows], "o-", ms=3,
+            color="tab:blue", label="live acceptance length (tokens per drafting step)")
+    bars = []
+    for w, tw in zip(windows, t):
+        model = next((m for tm, m in reversed(models) if tm <= tw), models[0][1] if models else None)
+        b = max(1, min(round(w.mean_batch), len(w.lengths) - 1)) if w.lengths else 1
+        k = w.lengths[b] if w.lengths else 0
+        bars.append(model.break_even(max(w.mean_batch, 1.0), max(k, 1)) if model else float("nan"))
+        if not w.speculate:
+            ax.axvspan(w.t_start, w.t_end, color="0.92", lw=0)
+    ax.plot(t, bars, "--", color="tab:red", lw=1, label="break-even at the draft length in use")
+    rates = {e["version"]: e["data"].get("eval_rates") for e in ev if e["kind"] == "trained"}
+    for e in ev:
+        if e["kind"] == "deploy" and rates.get(e["version"]):
+            r = PositionRates(len(rates[e["version"]]), [1000] * len(rates[e["version"]]),
+                              [round(1000 * x) for x in rates[e["version"]]])
+            held = r.expected_length(1)
+            ax.plot([e["t"]], [held], "*", ms=12, color="tab:green")
+            ax.annotate(f"v{e['version']} held-out {held:.2f} (k 1)", (e["t"], held), fontsize=8,
+                        xytext=(4, 4), textcoords="offset points")
+    asked = {e["data"].get("data_cycle"): e["t"] for e in ev if e["kind"] == "train"}
+    done = [e for e in ev if e["kind"] in ("trained", "train-failed")]
+    y0 = ax.get_ylim()[0]
+    for i, (cycle, t0) in enumerate(sorted(asked.items(), key=lambda x: x[1])):
+        t1 = done[i]["t"] if i < len(done) else (windows[-1].t_end if windows else t0)
+        ax.plot([t0, t1], [y0 + 0.02] * 2, "-", lw=5, color="tab:orange", alpha=0.7, solid_capstyle="butt")
+        ax.annotate(f"c{cycle}", (t0, y0 + 0.02), fontsize=7, xytext=(0, 4), textcoords="offset points")
+    ax.set_ylabel("tokens per step")
+    handles = ax.get_legend_handles_labels()[0] + [
+        plt.Line2D([], [], marker="*", ls="", ms=10, color="tab:green", label="deployed draft, held-out at k 1"),
+        plt.Line2D([], [], lw=5, color="tab:orange", alpha=0.7, label="a training cycle"),
+        plt.Rectangle((0, 0), 1, 1, color="0.92", label="speculation off")]
+    ax.legend(handles=handles, loc="upper left", fontsize=8)
     ax.set_title(title)
-    handles = [plt.Line2D([], [], color=c, ls="--", label=k) for k, c in colors.items() if k != "speculation-on"]
-    ax.legend(handles=ax.get_legend_handles_labels()[0] + ax2.get_legend_handles_labels()[0] + handles,
-              loc="upper left", fontsize=8)
+    ax2.plot(t, [w.tokens_per_s for w in windows], "-", color="tab:gray")
+    ax2.set_ylabel("tokens/s")
+    ax2.set_xlabel("time (s)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

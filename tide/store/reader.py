@@ -19,10 +19,11 @@ log = logging.getLogger(__name__)
 def is_eval(request_id: str, eval_fraction: float) -> bool:
     """Deterministic held-out test by request id, stable across processes and restarts.
 
-    Every piece of a request (even one split across chunks) lands on the same side.
+    Every piece of a request (even one split across chunks) lands on the same side, and so does every
+    serving of one prompt (`ID~k`, a workload served again): a held-out prompt is never trained on.
     E.g. eval_fraction 0.1: eval iff crc32(id) % 10000 < 1000.
     """
-    return zlib.crc32(request_id.encode()) % 10000 < eval_fraction * 10000
+    return zlib.crc32(request_id.partition("~")[0].encode()) % 10000 < eval_fraction * 10000
 
 
 class ChunkReader:

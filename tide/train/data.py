@@ -64,7 +64,7 @@ class Batch:
         return Batch(self.aux.to(device), self.tokens.to(device), self.target_ok.to(device), self.t0, self.num_tokens)
 
 
-def collate(seqs: list[Sequence], depth: int) -> Batch:
+def collate(seqs: list[Sequence], depth: int, prompt_loss: bool = False) -> Batch:
     B, T = len(seqs), max(len(s) for s in seqs)
     D = seqs[0].aux.shape[1]
     aux = torch.zeros(B, T, D, dtype=torch.bfloat16)
@@ -75,14 +75,16 @@ def collate(seqs: list[Sequence], depth: int) -> Batch:
         n = len(s)
         aux[i, :n] = u16_to_bf16(s.aux)
         tokens[i, :n] = torch.from_numpy(s.tokens)
-        ok[i, :n] = torch.from_numpy(s.is_output)
-        outs = np.flatnonzero(s.is_output)
+        ok[i, :n] = True if prompt_loss else torch.from_numpy(s.is_output)
+        outs = np.flatnonzero(np.ones(n, bool) if prompt_loss else s.is_output)
         first_out = min(first_out, int(outs[0]) if len(outs) else T)
     return Batch(aux, tokens, ok, max(0, first_out - 2 - depth + 1), sum(len(s) for s in seqs))
 
 
-def batches(seqs: list[Sequence], batch_tokens: int, depth: int, shuffle: bool, seed: int = 0) -> list[Batch]:
-    """Length-sorted packing (little padding) of about `batch_tokens` padded rows per batch."""
+def batches(seqs: list[Sequence], batch_tokens: int, depth: int, shuffle: bool, seed: int = 0,
+            prompt_loss: bool = False) -> list[Batch]:
+    """Length-sorted packing (little padding) of about `batch_tokens` padded rows per batch; with
+    `prompt_loss` every real token is a target, else output tokens only."""
     groups: list[list[Sequence]] = []
     cur: list[Sequence] = []
     for s in sorted(seqs, key=len):
@@ -94,4 +96,4 @@ def batches(seqs: list[Sequence], batch_tokens: int, depth: int, shuffle: bool, 
         groups.append(cur)
     if shuffle:
         random.Random(seed).shuffle(groups)
-    return [collate(g, depth) for g in groups]
+    return [collate(g, depth, prompt_loss) for g in groups]

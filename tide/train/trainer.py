@@ -9,6 +9,7 @@ and takes its share of the batches; rank 0 evaluates and publishes.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import math
 import os
@@ -166,9 +167,12 @@ class DraftTrainer:
         return 0, init_draft(self.target_dir, self.aux_layer_ids, self.draft_vocab_size, seed=self.cfg.seed)
 
     def cycle(self, window_tokens: int | None = None, since_ns: int = 0, base: int | None = None,
-              on_progress: Callable[[dict[str, Any]], None] | None = None) -> CycleResult | None:
+              on_progress: Callable[[dict[str, Any]], None] | None = None,
+              workloads: tuple[str, ...] = (), train_rows: int = 0) -> CycleResult | None:
         """One training cycle from draft `base` (see `current_draft`) over the newest `window_tokens`
-        stored tokens written from `since_ns` on. None if there is no data."""
+        stored tokens written from `since_ns` on (only runs of `workloads`, when given; of the training
+        split only the first `train_rows` rows, when given: a data-efficiency curve on one held-out
+        split). None if there is no data."""
         import deepspeed
         from deepspeed.accelerator import get_accelerator
 
@@ -177,9 +181,13 @@ class DraftTrainer:
         report = _reporter(on_progress if self.rank == 0 else None)
         report("read")
         chunks = self.reader.list_chunks(window_tokens, since_ns)
-        runs = self._signals(self.reader.load(window_tokens, since_ns=since_ns))  # read and verified once
+        runs = self._signals([r for r in self.reader.load(window_tokens, since_ns=since_ns)  # read, verified once
+                              if not workloads or r.workload in workloads])
         train, held = (sequences([r for r in runs if is_eval(r.request_id, self.eval_fraction) == e], cfg.seq_len)
                        for e in (False, True))
+        if train_rows:
+            cumulative = itertools.accumulate(len(q) for q in train)
+            train = [q for q, before in zip(train, [0, *cumulative]) if before < train_rows]
         if not train or not held:
             log.warning("trainer: not enough data (%d train / %d eval sequences)", len(train), len(held))
             return None
@@ -191,7 +199,8 @@ class DraftTrainer:
         report("eval")
         before = self._evaluate(draft, eval_batches, device)
 
-        train_batches = batches(train, cfg.batch_tokens, cfg.ttt_depth, shuffle=True, seed=cfg.seed + base_version)
+        train_batches = batches(train, cfg.batch_tokens, cfg.ttt_depth, shuffle=True, seed=cfg.seed + base_version,
+                                prompt_loss=cfg.prompt_loss)
         mine = train_batches[self.rank :: self.world] or train_batches[:1]
         total = cfg.max_steps or max(1, math.ceil(cfg.epochs * len(mine)))
         warm = max(1, int(total * cfg.warmup_frac))
@@ -203,6 +212,7 @@ class DraftTrainer:
         engine, _, _, _ = deepspeed.initialize(model=objective, optimizer=opt, lr_scheduler=sched,
                                                config=deepspeed_config(cfg, self.bf16))
         tokens, loss_v, t_train = 0, float("nan"), time.time()
+        best = _Best(before.acceptance_length, cfg.patience)
         bar = _progress(total, self.rank == 0)
         for step in range(total):
             b = mine[step % len(mine)].to(device)
@@ -215,9 +225,17 @@ class DraftTrainer:
             bar.set_postfix(loss=f"{loss_v:.3f}", acc0=f"{accs[0]:.2f}", tok_s=f"{rate:.0f}", refresh=False)
             bar.update()
             report("train", step + 1, total, loss_v, rate)
+            if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < total:  # every rank: same data
+                al = self._evaluate(engine.module.draft, eval_batches, device).acceptance_length
+                log.info("trainer: step %d held-out AL %.3f (best %.3f)", step + 1, al, best.al)
+                if best.stop(al, engine.module.draft):
+                    log.info("trainer: no gain in %d evaluations: stopping at step %d", cfg.patience, step + 1)
+                    total = step + 1
+                    break
         bar.close()
         train_s = time.time() - t_train
         trained = engine.module.draft
+        best.restore(trained, self._evaluate(trained, eval_batches, device).acceptance_length if best.saved else 0.0)
         trained.float()
         result = CycleResult(version=0, al_before=before.acceptance_length, al_after=0.0,
                              counts_before=list(before.counts), train_tokens=tokens * self.world,
@@ -229,7 +247,8 @@ class DraftTrainer:
             after = self._evaluate(trained, eval_batches, device)
             result.al_after, result.counts_after = after.acceptance_length, list(after.counts)
             result.wall_s = time.time() - t_start
-            result.version = self.registry.publish(trained.cpu(), result.to_json())
+            target = {"target_hash": self.reader.expect.target_hash} if self.reader.expect else {}
+            result.version = self.registry.publish(trained.cpu(), {**result.to_json(), **target})
             log.info("trainer: published v%d  AL %.3f -> %.3f  (%d tokens, %d steps, %.0f s)", result.version,
                      result.al_before, result.al_after, result.train_tokens, total, result.wall_s)
         _barrier()
@@ -254,11 +273,40 @@ class DraftTrainer:
         self.recompute_s += time.time() - t0
         return out
 
+    def evaluate(self, draft: Eagle3Draft, runs: list[Run]) -> AcceptanceHistogram:
+        """The held-out walk of `draft` over `runs` (any captured requests, e.g. one domain's)."""
+        from deepspeed.accelerator import get_accelerator
+
+        held = batches(sequences(runs, self.cfg.seq_len), self.cfg.batch_tokens, self.cfg.gamma, shuffle=False)
+        return self._evaluate(draft, held, torch.device(get_accelerator().device_name()))
+
     def _evaluate(self, draft: Eagle3Draft, eval_batches: list[Batch], device: torch.device) -> AcceptanceHistogram:
         draft = draft.to(device).eval()
         hist = simulate_acceptance(draft, [b.to(device) for b in eval_batches], self.cfg.gamma)
         draft.train()
         return hist
+
+
+class _Best:
+    """Early stopping: the best held-out AL seen and its weights; `stop` after `patience` evaluations
+    without a gain."""
+
+    def __init__(self, al: float, patience: int) -> None:
+        self.al, self.patience, self.stale = al, patience, 0
+        self.saved: dict[str, torch.Tensor] | None = None
+
+    def stop(self, al: float, draft: Eagle3Draft) -> bool:
+        if al > self.al:
+            self.al, self.stale = al, 0
+            self.saved = {k: v.detach().clone() for k, v in draft.state_dict().items()}
+            return False
+        self.stale += 1
+        return self.stale >= self.patience
+
+    def restore(self, draft: Eagle3Draft, final_al: float) -> None:
+        """Put the best weights back if the last ones are worse."""
+        if self.saved is not None and final_al < self.al:
+            draft.load_state_dict(self.saved)
 
 
 def _reporter(on_progress: Callable[[dict[str, Any]], None] | None) -> Callable[..., None]:

@@ -25,6 +25,7 @@ from tide.workload.phases import Phase, WorkloadSpec, build_workload
 from tide.workload.prompts import WorkloadError, load_prompts
 
 log = logging.getLogger(__name__)
+CYCLE_OUTCOMES = ("trained", "deploy", "reject")  # events.json kinds that end a training cycle
 
 
 def build_requests(cfg: WorkloadConfig, target_dir: Path, max_prompt_tokens: int) -> list[Request]:
@@ -112,6 +113,10 @@ class RequestSource:
             deployed = {e.version for e in events if e.kind == "deploy"}
             met = sum(r.speculate and r.draft_version in deployed for r, _ in self._results) >= until.trained_requests
         if met and until.event:
-            at = next((self._first_event + j for j, e in enumerate(events) if e.kind == until.event), None)
+            # a cycle's outcome counts only for a cycle started in this segment: one that trained on it
+            start = next((j for j, e in enumerate(events) if e.kind == "train"), len(events)) \
+                if until.event in CYCLE_OUTCOMES else 0
+            at = next((self._first_event + j for j, e in enumerate(events) if j >= start and e.kind == until.event),
+                      None)
             met = at is not None and sum(n > at for _, n in self._results) >= until.event_requests
         return met or time.monotonic() - t0 >= until.max_s, met

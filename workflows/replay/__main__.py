@@ -1,13 +1,14 @@
 """`python -m workflows.replay --config configs/experiments/NAME.yaml --out DIR`: one workload, every mode.
 
 The experiment file holds a `workload:` section (phases and arrivals, docs/replay.md), an optional
-`replay:` section (modes, static_prompts) and any TideConfig section (model, serve, train, control,
+`replay:` section (modes, base_draft) and any TideConfig section (model, serve, train, control,
 runtime ...). Each mode serves the same requests with the same arrivals on the same cores, one
 after the other; DIR gets summary.json, windows.jsonl, report.md, acceptance.png, throughput.png
 and a directory per mode (its config, windows, requests, events, store and drafts).
 
-With `--executor slurm` the same run is a chain of Slurm jobs through submitit: the static draft,
-an array job with one task per mode (side by side), and the report, each after the one before.
+With `--executor slurm` the same run is a chain of Slurm jobs through submitit: the base draft
+(where `replay.base_draft` must build it), an array job with one task per mode (side by side), and
+the report, each after the one before.
 """
 
 from __future__ import annotations
@@ -31,9 +32,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True, type=Path, help="results directory")
     p.add_argument("--modes", default="", help=f"comma-separated subset of the file's modes ({','.join(MODES)})")
     p.add_argument("--executor", choices=("local", "slurm"), default="local",
-                   help="local: every mode here, one after the other; slurm: the static draft, an array job of "
-                        "the modes and the report as dependent jobs through submitit (sized by slurm.serve)")
-    p.add_argument("--stage", choices=("all", "static", "mode", "report"), default="all",
+                   help="local: every mode here, one after the other; slurm: the base draft (if it must be built), "
+                        "an array job of the modes and the report as dependent jobs through submitit (sized by "
+                        "slurm.serve)")
+    p.add_argument("--stage", choices=("all", "base", "mode", "report"), default="all",
                    help="one step of the run (what each Slurm job runs); default all of them")
 
     def body(args: argparse.Namespace) -> int:
@@ -53,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.stage != "report":
             runner.run_stage(args.stage, args.config, args.out, modes)
-        if args.stage in ("static", "mode"):
+        if args.stage in ("base", "mode"):
             return 0
         runs = [runner.load_mode(args.out / m, m) for m in modes]
         command = " ".join(["python -m workflows.replay", *(argv if argv is not None else sys.argv[1:])])

@@ -1,11 +1,11 @@
 """One experiment: the same workload and arrivals served in each mode, one mode after the other.
 
-Modes: `nospec` (plain vLLM), `static` (a draft trained offline on the first phase's domain, then
-frozen: the usual deployment), `tide` (the adaptive system), `tide-always` (speculation, collection,
-training and deployment always on: the paper's TIDE-default) and `tide-recompute` (TIDE whose trainer
-regenerates the hidden states with the target instead of using captured ones, that cost counted).
-Every TIDE mode starts from the static draft. Serving is bound to `runtime.serve_cores` in every
-mode and trainers to `runtime.train_cores`, so no mode serves on more CPU than another.
+Modes: `nospec` (plain vLLM), `static` (the base draft, `draft.init`, frozen: the usual deployment of
+a general draft), `tide` (the adaptive system), `tide-always` (speculation, collection, training and
+deployment always on: the paper's TIDE-default) and `tide-recompute` (TIDE whose trainer regenerates
+the hidden states with the target instead of using captured ones, that cost counted). Every TIDE
+mode starts from the same base draft. Serving is bound to `runtime.serve_cores` in every mode and
+trainers to `runtime.train_cores`, so no mode serves on more CPU than another.
 """
 
 from __future__ import annotations
@@ -25,8 +25,7 @@ from tide.config import ConfigError, TideConfig, from_dict, to_dict
 from tide.serve.engine import Request, RequestResult, TideEngine, Window
 from tide.store.layout import RunLayout
 from tide.workload import Segment
-from tide.workload.phases import WorkloadSpec, build_workload, chat_ids, load_workload
-from tide.workload.prompts import load_prompts
+from tide.workload.phases import WorkloadSpec, build_workload, load_workload
 
 log = logging.getLogger(__name__)
 MODES = ("nospec", "static", "tide", "tide-always", "tide-recompute")
@@ -38,14 +37,13 @@ class ReplayConfig:
     """The `replay:` section of an experiment file."""
 
     modes: tuple[str, ...] = MODES
-    static_prompts: int = 32  # prompts of the first phase's set, outside the workload, that train the static draft
+    # a base-draft config (workflows/base_draft.py) that builds `draft.init` when it does not exist yet
+    base_draft: str = ""
 
     def __post_init__(self) -> None:
         bad = [m for m in self.modes if m not in MODES]
         if bad or not self.modes:
             raise ValueError(f"modes: {bad or 'empty'}: choose from {', '.join(MODES)}")
-        if self.static_prompts < 1:
-            raise ValueError(f"static_prompts: must be >= 1, got {self.static_prompts}")
 
 
 @dataclass
@@ -79,42 +77,57 @@ class Experiment:
     @classmethod
     def open(cls, path: Path, out: Path) -> Experiment:
         cfg, spec, rc = load_experiment(path)
-        target = RunLayout.open(cfg, out / "static").target
+        target = RunLayout.open(cfg, out / "nospec").target
         return cls(cfg, spec, rc, build_workload(spec, target.path, cfg.serve.max_model_len - spec.max_tokens - 8))
 
 
 def run_stage(stage: str, path: Path, out: Path, modes: tuple[str, ...]) -> None:
-    """`all`: the static draft, then every mode, one after the other; `static` or `mode` alone is one
-    Slurm job's share. Serving (and the static draft's capture) runs on `runtime.serve_cores`."""
+    """`all`: the base draft (when it has to be built), then every mode, one after the other; `base`
+    or `mode` alone is one Slurm job's share. Serving runs on `runtime.serve_cores`."""
     from tide.runtime.processes import bind_serving
 
     exp = Experiment.open(path, out)
+    if stage in ("all", "base") and set(modes) - {"nospec"}:
+        ensure_base_draft(exp, path)
     bind_serving(exp.cfg.runtime.serve_cores)
     log.info("replay: %d requests in %d phases, modes %s", len(exp.requests), len(exp.spec.phases), ", ".join(modes))
-    learned = set(modes) - {"nospec"}
-    static = train_static(exp, out / "static") if stage in ("all", "static") and learned else None
-    if stage == "mode" and learned:
-        static = out / "static" / "drafts" / "v1"
     for mode in modes if stage in ("all", "mode") else ():
         log.info("replay: mode %s", mode)
-        run_mode(exp, mode, out / mode, static)
+        run_mode(exp, mode, out / mode)
 
 
-def mode_config(cfg: TideConfig, mode: str, static: Path | None) -> TideConfig:
+def ensure_base_draft(exp: Experiment, path: Path) -> None:
+    """`static` serves `draft.init` frozen and the TIDE modes start from it: it must exist. Where it
+    does not, `replay.base_draft` builds it (workflows/base_draft.py), in a process of its own."""
+    init = Path(exp.cfg.draft.init)
+    if not exp.cfg.draft.init:
+        raise ConfigError(f"{path}: draft.init: the static mode serves it and the TIDE modes start from it; give "
+                          "a base draft (workflows/base_draft.py builds one)")
+    if (init / "model.safetensors").exists():
+        return
+    if not exp.replay.base_draft:
+        raise ConfigError(f"{path}: draft.init: {init} does not exist; build it (python -m workflows.base_draft) or "
+                          "give replay.base_draft")
+    out = init.parent / f"{init.name}.run"
+    subprocess.run([sys.executable, "-m", "workflows.base_draft", "--config", exp.replay.base_draft, "--out", str(out),
+                    "--publish", str(init)], check=True)
+
+
+def mode_config(cfg: TideConfig, mode: str) -> TideConfig:
     return dataclasses.replace(
         cfg, control=dataclasses.replace(cfg.control, policy=POLICY.get(mode, "frozen")),
         train=dataclasses.replace(cfg.train, signals="recompute" if mode == "tide-recompute" else "captured"),
-        draft=dataclasses.replace(cfg.draft, init=str(static.resolve()) if static else cfg.draft.init),
+        draft=dataclasses.replace(cfg.draft, init=str(Path(cfg.draft.init).resolve())),
         workload=dataclasses.replace(cfg.workload, nospec_baseline=False))
 
 
-def run_mode(exp: Experiment, mode: str, out: Path, static: Path | None) -> None:
+def run_mode(exp: Experiment, mode: str, out: Path) -> None:
     """Serve the experiment's requests in `mode`; everything the report needs goes to `out`."""
     from tide.model.files import write_json, write_jsonl
     from tide.runtime.processes import local_trainer
     from tide.runtime.serve_role import serve
 
-    mcfg = mode_config(exp.cfg, mode, static)
+    mcfg = mode_config(exp.cfg, mode)
     out.mkdir(parents=True, exist_ok=True)
     config = out / "config.yaml"
     config.write_text(yaml.safe_dump(to_dict(mcfg), sort_keys=False))
@@ -152,44 +165,3 @@ def load_mode(out: Path, mode: str) -> ModeRun:
                    [Window.from_json(d) for d in rows("windows.jsonl")],
                    [Event(**d) for d in json.loads((out / "events.json").read_text())],
                    store=out / "store" if meta["learns"] else None, workload=meta["workload"])
-
-
-def train_static(exp: Experiment, out: Path) -> Path:
-    """The usual deployment's draft: trained once, offline, on prompts of the first phase's domain
-    that the workload does not contain (their hidden states captured with speculation off)."""
-    from transformers import AutoTokenizer
-
-    from tide.runtime.serve_role import ensure_draft
-
-    done = out / "drafts" / "v1"
-    if (done / "model.safetensors").exists():
-        return done
-    cfg, first = exp.cfg, exp.spec.phases[0]
-    run = RunLayout.open(cfg, out)
-    used = {r.request_id.split("#")[0] for r in exp.requests}
-    prompts = [p for p in load_prompts(first.dataset, first.path) if p[0] not in used][: exp.replay.static_prompts]
-    if not prompts:
-        raise ConfigError(f"replay.static_prompts: no prompts of '{first.dataset}' left outside the workload")
-    tok = AutoTokenizer.from_pretrained(run.target.path)
-    limit = cfg.serve.max_model_len - first.max_tokens - 8
-    reqs = [Request(f"static-{pid}", chat_ids(tok, text)[-limit:], first.max_tokens, None, first.name)
-            for pid, text in prompts]
-    v0 = ensure_draft(cfg, run)
-    eng = TideEngine(run.target, cfg.serve, run.drafts / f"v{v0}", store_root=run.store,
-                     chunk_tokens=cfg.store.chunk_tokens, dtype=cfg.model.dtype)
-    try:
-        eng.set_speculation(False)  # only the hidden states are wanted
-        eng.replay(reqs, cfg.serve.max_num_seqs, window_s=1e9)
-        eng.flush()
-    finally:
-        eng.close()
-    config = out / "config.yaml"
-    config.write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
-    cmd = [sys.executable, "-m", "tide.train", "--config", str(config), "--out", str(out),
-           "--json", str(out / "train.json")]
-    with open(out / "trainer.log", "ab") as f:
-        subprocess.run(cmd, check=True, stdout=f, stderr=subprocess.STDOUT)
-    result = json.loads((out / "train.json").read_text())
-    log.info("replay: static draft v%d: held-out AL %.2f after training on %d rows of %s", result["version"],
-             result["al_after"], result["train_tokens"], first.name)
-    return out / "drafts" / f"v{result['version']}"

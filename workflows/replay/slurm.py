@@ -1,10 +1,10 @@
-"""The replay as Slurm jobs through submitit: the static draft, then one array task per mode, then
-the report, each job depending on the one before (afterok).
+"""The replay as Slurm jobs through submitit: the base draft (where it must be built), then one
+array task per mode, then the report, each job depending on the one before (afterok).
 
 The modes run side by side, each in a job of its own sized by the experiment's `slurm.serve`
 component (a mode serves and, where it learns, trains: one serving node's worth). Every job runs
 `python -m workflows.replay ... --stage STAGE` in the submit directory; the run directory carries
-everything between them (the static draft, each mode's files), as it does for the sequential run.
+everything between them (the base draft, each mode's files), as it does for the sequential run.
 """
 
 from __future__ import annotations
@@ -36,10 +36,10 @@ def submit_replay(cfg: TideConfig, config: Path, out: Path, modes: tuple[str, ..
         return CommandFunction(cmd, cwd=Path.cwd())
 
     after: list[str] = []
-    if set(modes) - {"nospec"}:
-        static = ex.submit(stage("static"))
-        after = [static.job_id]
-        log.info("replay: static draft: job %s", static.job_id)
+    if set(modes) - {"nospec"} and not (Path(cfg.draft.init) / "model.safetensors").exists():
+        base = ex.submit(stage("base"))
+        after = [base.job_id]
+        log.info("replay: base draft: job %s", base.job_id)
     ex.update_parameters(slurm_additional_parameters=_after(after))
     with ex.batch():
         jobs = [ex.submit(stage("mode", "--modes", m)) for m in modes]
