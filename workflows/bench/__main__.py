@@ -16,6 +16,7 @@ from tide.model.files import write_json
 
 BENCHES: dict[str, str] = {
     "draft-learning": "workflows.bench.learning:draft_learning",
+    "draft-recipe": "workflows.bench.learning:draft_recipe",
     "storage": "workflows.bench.storage:storage",
     "capture-overhead": "workflows.bench.serving:capture_overhead",
     "hot-swap": "workflows.bench.serving:hot_swap",

@@ -97,3 +97,68 @@ def training_cycle(work: Path, data: Path, quick: bool = False) -> dict[str, Any
     return {"fresh_tokens": sum(len(p) + len(o) - 1 for _, p, o in reqs), "tide_s": tide_s,
             "recompute_s": recompute_s, "regenerate_s": regenerate_s, "recompute_over_tide": recompute_s / tide_s,
             "train_steps": r.steps, "al_after": r.al_after}
+
+
+def _captured(target: Target, work: Path, data: Path, n: int) -> Path:
+    """A store of the hidden states serving captured for the first n GSM8K train questions (TIDE's
+    engine, speculation off, the embedded default's dtype); built once in `work`."""
+    from tide.config import WorkloadConfig
+    from tide.draft import init_draft, save_draft
+    from tide.workload import build_requests
+
+    store = work / f"captured-{n}"
+    if (store / ".done").exists():
+        return store
+    shutil.rmtree(store, ignore_errors=True)
+    reqs = build_requests(WorkloadConfig(dataset="gsm8k", path=str(data / "gsm8k" / "train.jsonl"),
+                                         num_prompts=100_000, max_tokens=192), target.path, 1024)[:n]
+    save_draft(init_draft(target.path, target.layer_ids, 8192), work / "v0")
+    eng = TideEngine(target, ServeConfig(num_speculative_tokens=1, max_num_seqs=16, max_model_len=2048,
+                                         max_num_batched_tokens=2048), work / "v0", store_root=store, chunk_tokens=2048,
+                     dtype=load_config(DEFAULT).model.dtype, max_pending_chunks=1 << 16)
+    try:
+        eng.set_speculation(False)
+        eng.replay(reqs, concurrency=16, window_s=60.0)
+        eng.flush()
+    finally:
+        eng.close()
+    (store / ".done").touch()
+    return store
+
+
+def draft_recipe(work: Path, data: Path, quick: bool = False) -> dict[str, Any]:
+    """What lifts a draft's held-out AL (gamma 3) for SmolLM2 on GSM8K, from rows TIDE captured:
+    a data-efficiency curve (8k / 16k / 32k / 64k training rows; captured against recomputed hidden
+    states at the same rows), then one change at a time at 32k rows: lr, epochs (with held-out early
+    stopping), TTT depth, loss on prompt rows, draft vocabulary (with its token coverage). Every run
+    evaluates on the same held-out requests."""
+    from tide.train import DraftTrainer
+
+    target = smollm2()
+    store = _captured(target, work, data, 120 if quick else 400)
+    base = dataclasses.replace(load_config(DEFAULT).train, gamma=3, epochs=4.0, eval_every=100, patience=2)
+    sizes = (4000, 8000) if quick else (8000, 16000, 32000, 64000)
+    at = sizes[-2]
+
+    def cycle(name: str, rows: int, cfg: TrainConfig, vocab: int = 8192) -> dict[str, Any]:
+        drafts = work / "drafts" / name
+        shutil.rmtree(drafts, ignore_errors=True)
+        t0 = time.time()
+        trainer = DraftTrainer(cfg, target.path, store, drafts, expect=target.chunk_meta(),
+                               aux_layer_ids=target.layer_ids, draft_vocab_size=vocab, eval_fraction=0.15)
+        r = trainer.cycle(train_rows=rows)
+        row = {"run": name, "rows": rows, "al": r.al_after, "steps": r.steps, "train_tokens": r.train_tokens,
+               "vocab": vocab, "coverage": r.vocab_coverage, "recompute_s": r.recompute_s, "wall_s": time.time() - t0,
+               "first_draft_acceptance": 1 - r.counts_after[0] / max(sum(r.counts_after), 1)}
+        log.info("draft-recipe: %s", row)
+        return row
+
+    curve = [cycle(f"captured-{n}", n, base) for n in sizes]
+    curve += [cycle(f"recompute-{n}", n, dataclasses.replace(base, signals="recompute")) for n in sizes]
+    sweeps = [cycle(name, at, dataclasses.replace(base, **change), vocab) for name, change, vocab in [
+        ("lr-1e-3", {"lr": 1e-3}, 8192), ("lr-4e-3", {"lr": 4e-3}, 8192),
+        ("epochs-2", {"epochs": 2.0, "eval_every": 0}, 8192), ("epochs-8", {"epochs": 8.0}, 8192),
+        ("ttt-1", {"ttt_depth": 1}, 8192), ("prompt-loss", {"prompt_loss": True}, 8192),
+        ("vocab-4k", {}, 4096), ("vocab-16k", {}, 16384)]]
+    return {"gamma": 3, "defaults": dataclasses.asdict(base), "curve": curve, "sweeps_at_rows": at, "sweeps": sweeps,
+            "questions": 120 if quick else 400}
