@@ -21,13 +21,13 @@
 #SBATCH --job-name=tide
 #SBATCH --output=tide-%j.out
 #SBATCH --error=tide-%j.err
-# ---- component 0 (het group 0): serving, H100 nodes, one rank per GPU
+# ---- component 0 (het group 0): serving, H100 nodes, one rank (one vLLM engine) on one GPU
 #SBATCH --time=02:00:00
 #SBATCH --partition=h100
 #SBATCH --nodes=1
-#SBATCH --ntasks-per-node=8
-#SBATCH --gpus-per-node=8
-#SBATCH --cpus-per-task=8
+#SBATCH --ntasks-per-node=1
+#SBATCH --gpus-per-node=1
+#SBATCH --cpus-per-task=16
 #SBATCH hetjob
 # ---- component 1 (het group 1): draft training, MI250 nodes, one rank per GPU
 #SBATCH --time=02:00:00

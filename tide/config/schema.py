@@ -136,16 +136,17 @@ class Component:
         return {k: v for k, v in opts.items() if not (k == "gpus_per_node" and v == 0)}
 
 
-# The paper's testbed, one rank per GPU: a node of 8 H100 serves, 4 MI250 train the draft. Separate
-# classes so that a config giving only `serve: {partition: x}` keeps the other serving defaults.
+# The paper's testbed: H100s serve, 4 MI250 train the draft. One serving rank (one vLLM engine on one
+# GPU: rank 0 is the only one that serves). Separate classes so that a config giving only
+# `serve: {partition: x}` keeps the other serving defaults.
 @dataclass(frozen=True)
 class ServeComponent(Component):
     """Het group 0: serving on H100-class nodes."""
 
     partition: str = "h100"
-    ntasks_per_node: int = 8
-    gpus_per_node: int = 8
-    cpus_per_task: int = 8
+    ntasks_per_node: int = 1
+    gpus_per_node: int = 1
+    cpus_per_task: int = 16
 
 
 @dataclass(frozen=True)
@@ -245,6 +246,7 @@ class ServeConfig:
     max_num_batched_tokens: int = 1024
     enforce_eager: bool = True
     kv_cache_space_gib: int = 2  # VLLM_CPU_KVCACHE_SPACE on CPU
+    gpu_memory_utilization: float = 0.9  # on a GPU; leave room where a trainer shares it
     seed: int = 0
 
     def __post_init__(self) -> None:
