@@ -396,3 +396,21 @@ def test_a_restarted_trainer_resumes_from_the_newest_draft(launched: tuple[Path,
     assert r["version"] == newest + 1 and reg.meta(newest + 1)["base_version"] == newest
     start = reg.meta(newest)["al_after"]  # far above an untrained head's 1.0 on the same data
     assert r["al_before"] > 1 + (start - 1) / 2, (r["al_before"], start)
+
+
+def test_the_server_options_reach_every_rank_of_the_job() -> None:
+    """`tide.launch --executor slurm --serve`: the ranks get the server's options; rank 0 parses them
+    back (bound to every address of the serving node, for clients on the login node)."""
+    import argparse
+
+    from tide.runtime import server_options
+    from tide.runtime.server_options import HttpOptions
+
+    http = HttpOptions(host="0.0.0.0", port=8100, served_model_name="smol", vllm_args=("--api-key=k",))
+    spec = JobSpec.for_runtime(SlurmConfig(), "c.yaml", "/shared/out", extra=http.to_argv())
+    assert spec.command[:3] == (sys.executable, "-m", "tide.runtime") and "--serve" in spec.command
+    p = argparse.ArgumentParser()
+    server_options.add_arguments(p, host="0.0.0.0")
+    args, rest = p.parse_known_args(list(spec.command[3:]))
+    assert server_options.from_args(args) == http and rest == ["--config", str(Path("c.yaml").absolute()),
+                                                               "--out", "/shared/out"]

@@ -47,10 +47,10 @@ class JobSpec:
 
     @classmethod
     def for_runtime(cls, slurm: SlurmConfig, config: str | Path, output_dir: str | Path,
-                    python: str = sys.executable) -> JobSpec:
-        """The real job: `python -m tide.runtime --config CONFIG --out OUTDIR` on every rank."""
+                    python: str = sys.executable, extra: tuple[str, ...] | list[str] = ()) -> JobSpec:
+        """The real job: `python -m tide.runtime --config CONFIG --out OUTDIR [extra]` on every rank."""
         out = str(Path(output_dir).absolute())
-        cmd = (python, "-m", "tide.runtime", "--config", str(Path(config).absolute()), "--out", out)
+        cmd = (python, "-m", "tide.runtime", "--config", str(Path(config).absolute()), "--out", out, *extra)
         return cls(slurm, cmd, out)
 
     @property

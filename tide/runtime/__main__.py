@@ -17,6 +17,7 @@ from pathlib import Path
 
 from tide.cli import parser, run
 from tide.config import load_config
+from tide.runtime import server_options
 from tide.runtime.processes import bind_cores, bind_serving
 from tide.runtime.trainer_role import run_trainer
 from tide.runtime.transport import MPITransport, SocketTransport
@@ -65,6 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True, type=Path)
     p.add_argument("--fd", type=int, help="(local) socket to the coordinator: run as the trainer")
     p.add_argument("--cores", default="", help="(local) CPU cores for this process, e.g. '1' or '2-3'")
+    server_options.add_arguments(p, host="0.0.0.0")
     return run(p, rank, argv)
 
 
@@ -83,10 +85,16 @@ def rank(args: argparse.Namespace) -> int:
         trainer_group_env(transport.comm, n0)
         run_trainer(cfg, run_dir, transport)
     elif transport.rank == 0:
-        from tide.runtime.serve_role import run_coordinator  # imports vLLM: after bind_serving's environment
-
         bind_serving(args.cores, slurm_cpus(0))
-        run_coordinator(cfg, run_dir, transport, list(range(n0, n0 + n1)))
+        http = server_options.from_args(args)
+        if http is not None:  # imports vLLM: after bind_serving's environment
+            from tide.runtime.openai_server import run_server
+
+            run_server(cfg, run_dir, transport, list(range(n0, n0 + n1)), http)
+        else:
+            from tide.runtime.serve_role import run_coordinator
+
+            run_coordinator(cfg, run_dir, transport, list(range(n0, n0 + n1)))
     else:
         logging.getLogger(__name__).warning("rank %d: only rank 0 serves in this version; idle", transport.rank)
     transport.close()

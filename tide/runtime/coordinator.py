@@ -34,7 +34,7 @@ from tide.control import (
 from tide.draft.acceptance import AcceptanceHistogram, PositionRates
 from tide.runtime.messages import DraftReady, Heartbeat, Shutdown, Train, TrainFailed, TrainProgress
 from tide.runtime.transport import Transport
-from tide.serve.engine import RequestResult, TideEngine, Window
+from tide.serve.engine import EngineControl, RequestResult, Window
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +49,7 @@ class Event:
 
 
 class Coordinator:
-    def __init__(self, cfg: TideConfig, engine: TideEngine, transport: Transport | None,
+    def __init__(self, cfg: TideConfig, engine: EngineControl, transport: Transport | None,
                  trainer_ranks: list[int], drafts_root: str = "") -> None:
         self.cfg, self.engine, self.transport = cfg, engine, transport
         self.trainer_ranks = list(trainer_ranks)
@@ -182,7 +182,7 @@ class Coordinator:
                 self.record("confirm", d.reason, d.version)
         self._check_trainer()
 
-    def between_steps(self, engine: TideEngine, t: float) -> None:
+    def between_steps(self, engine: EngineControl, t: float) -> None:
         if self.transport is None or t - self._last_poll < 0.1:
             return
         self._last_poll = t

@@ -104,7 +104,59 @@ class Window:
         return cls(**{f.name: d[f.name] for f in fields(cls) if f.name in d})
 
 
-class TideEngine:
+class EngineControl:
+    """What the coordinator drives: the worker extension's switches, called by name (`rpc`).
+    `TideEngine` steps a vLLM engine itself; the OpenAI server's engine is vLLM's async one
+    (tide.serve.server)."""
+
+    speculative: bool
+    gamma: int  # the most draft tokens a step may take (vLLM's num_speculative_tokens)
+    version: int  # the draft serving
+    speculate: bool
+    lengths: list[int]  # draft length by batch size
+
+    def rpc(self, method: str, *args: Any) -> Any:
+        raise NotImplementedError
+
+    def set_speculation(self, on: bool) -> None:
+        if self.speculative:
+            self.speculate = self.rpc("tide_set_speculation", bool(on))
+
+    def set_draft_lengths(self, lengths: list[int]) -> None:
+        """The draft length of each batch size (index = batch size, 0 unused): what a step drafts."""
+        if self.speculative:
+            self.lengths = self.rpc("tide_set_draft_lengths", [int(k) for k in lengths])
+
+    def set_capture(self, on: bool) -> None:
+        if self.speculative:
+            self.rpc("tide_set_capture", bool(on))
+
+    def swap(self, draft_dir: Path, version: int) -> float:
+        """Hot-swap the draft between two steps; returns the pause in ms."""
+        t0 = time.perf_counter()
+        self.rpc("tide_load_draft", str(draft_dir), int(version))
+        self.version = version
+        return (time.perf_counter() - t0) * 1e3
+
+    def stats(self, reset: bool = True) -> dict[str, Any]:
+        if not self.speculative:
+            return dict(accept_counts=[0], steps=0, writer={})
+        return self.rpc("tide_stats", reset)
+
+    def stored_since(self, since_ns: int) -> int:
+        """Rows on disk in this engine's chunks named from `since_ns` on: what a trainer told to read
+        chunks since then will find of them."""
+        return int(self.rpc("tide_stored_since", int(since_ns))) if self.speculative else 0
+
+    def flush(self) -> dict[str, int]:
+        return self.rpc("tide_flush") if self.speculative else {}
+
+    def profile(self, max_batch: int) -> LatencyModel:
+        """The latency model's prior: what a step costs at each batch size and draft length."""
+        raise NotImplementedError
+
+
+class TideEngine(EngineControl):
     """One vLLM engine (speculative with an EAGLE-3 draft, or plain when `draft_dir` is None)."""
 
     def __init__(self, target: Target, cfg: ServeConfig, draft_dir: Path | None = None, *,
@@ -150,42 +202,8 @@ class TideEngine:
         log.info("engine: started in %.1f s (%s)", self.startup_s,
                  f"EAGLE-3 K={self.gamma}, draft v{version}" if self.speculative else "no speculation")
 
-    # ------------------------------------------------------------------ control
     def rpc(self, method: str, *args: Any) -> Any:
         return self.engine.collective_rpc(method, args=args)[0]
-
-    def set_speculation(self, on: bool) -> None:
-        if self.speculative:
-            self.speculate = self.rpc("tide_set_speculation", bool(on))
-
-    def set_draft_lengths(self, lengths: list[int]) -> None:
-        """The draft length of each batch size (index = batch size, 0 unused): what a step drafts."""
-        if self.speculative:
-            self.lengths = self.rpc("tide_set_draft_lengths", [int(k) for k in lengths])
-
-    def set_capture(self, on: bool) -> None:
-        if self.speculative:
-            self.rpc("tide_set_capture", bool(on))
-
-    def swap(self, draft_dir: Path, version: int) -> float:
-        """Hot-swap the draft between two steps; returns the pause in ms."""
-        t0 = time.perf_counter()
-        self.rpc("tide_load_draft", str(draft_dir), int(version))
-        self.version = version
-        return (time.perf_counter() - t0) * 1e3
-
-    def stats(self, reset: bool = True) -> dict[str, Any]:
-        if not self.speculative:
-            return dict(accept_counts=[0], steps=0, writer={})
-        return self.rpc("tide_stats", reset)
-
-    def stored_since(self, since_ns: int) -> int:
-        """Rows on disk in this engine's chunks named from `since_ns` on: what a trainer told to read
-        chunks since then will find of them."""
-        return int(self.rpc("tide_stored_since", int(since_ns))) if self.speculative else 0
-
-    def flush(self) -> dict[str, int]:
-        return self.rpc("tide_flush") if self.speculative else {}
 
     def process_info(self) -> dict[str, Any]:
         """Where this engine runs: vLLM's engine core in this process or its own, and this process's

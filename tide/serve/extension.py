@@ -61,14 +61,18 @@ class _State:
         self.steps = 0
         self.captured_rows = 0
         self.target_hash, self.shapes = "", {}  # what a draft swapped in must match
-        self.step_start, self.step_tokens = 0.0, 0  # of the step in flight (execute_model)
+        self.step_start, self.step_tokens, self.step_start_wall = 0.0, 0, 0.0  # of the step in flight
         self.k_next, self.draft_s = 0, 0.0  # this step's draft length, and what drafting took
         # per step: [scheduled tokens, batch, k drafted, seconds without the draft, seconds drafting]
         self.step_costs: list[list[float]] = []
+        self.generated = 0  # tokens sampled (bonus + accepted drafts) since the last window
+        # closing finished requests in the worker (a server: nobody calls tide_finish): what was closed
+        self.auto_close, self.closed = False, []  # type: ignore[var-annotated]
+        self.started: dict[str, float] = {}  # wall clock of each live request's first step (for closed ones)
 
     def reset_window(self) -> None:
         self.hist, self.rates = AcceptanceHistogram(self.gamma), PositionRates(self.gamma)
-        self.step_costs = []
+        self.step_costs, self.generated, self.closed = [], 0, []
 
 
 class TideWorkerExtension:
@@ -77,15 +81,29 @@ class TideWorkerExtension:
     # ------------------------------------------------------------------ set-up
     def tide_install(self, store_root: str = "", meta: dict[str, Any] | None = None, chunk_tokens: int = 2048,
                      max_pending_chunks: int = 4, retention_tokens: int = 0, capture: bool = True,
-                     speculate: bool = True, version: int = 0) -> dict[str, Any]:
-        """Wrap the runner's hooks once; (re)configure capture. Returns what was hooked."""
+                     speculate: bool = True, version: int = 0, auto_close: bool = False) -> dict[str, Any]:
+        """Wrap the runner's hooks once; (re)configure capture. Returns what was hooked.
+
+        `auto_close`: the worker closes each request itself when the scheduler drops it (finished,
+        aborted, its client gone), with the lengths the scheduler kept; `tide_stats` reports them. For a
+        server, where no caller sees every request finish; an engine driven step by step calls
+        `tide_finish` with the exact lengths instead.
+        """
         runner = self.model_runner  # type: ignore[attr-defined]
         gamma = self.vllm_config.speculative_config.num_speculative_tokens  # type: ignore[attr-defined]
         if not hasattr(self, "_tide"):
             self._tide = _State(gamma, self.vllm_config.scheduler_config.max_num_seqs)  # type: ignore[attr-defined]
             self._tide_wrap(runner)
+            shutdown = self.shutdown  # type: ignore[attr-defined]
+
+            def flush_then_shutdown() -> None:  # an engine stopped by a signal: keep what was captured
+                self.tide_flush(close_pending=True)
+                self.tide_close()
+                shutdown()
+
+            self.shutdown = flush_then_shutdown
         st = self._tide
-        st.capture, st.speculate, st.version = capture, speculate, version
+        st.capture, st.speculate, st.version, st.auto_close = capture, speculate, version, auto_close
         st.target_hash = (meta or {}).get("target_hash", "")
         st.shapes = weight_shapes(self.vllm_config.speculative_config.model)  # type: ignore[attr-defined]
         if store_root and st.writer is None:
@@ -105,13 +123,19 @@ class TideWorkerExtension:
         sync = _synchronizer(runner.device)
 
         def execute_model(scheduler_output, *args, **kwargs):
+            if st.auto_close:  # vLLM drops these from runner.requests in this call: close them first
+                for rid in scheduler_output.finished_req_ids:
+                    self._tide_end_dropped(rid, runner.requests.get(rid))
             st.step_start, st.step_tokens = time.perf_counter(), scheduler_output.total_num_scheduled_tokens
+            st.step_start_wall = time.time()
             st.draft_s = 0.0
             return execute_orig(scheduler_output, *args, **kwargs)
 
         def outer(scheduler_output, sampled_token_ids, sampling_metadata, hidden_states, sample_hidden_states,
                   aux_hidden_states, spec_decode_metadata, common_attn_metadata, slot_mappings):
             req_ids = runner.input_batch.req_ids
+            st.generated += int((sampled_token_ids != -1).sum()) if isinstance(sampled_token_ids, torch.Tensor) \
+                else sum(len(t) for t in sampled_token_ids)
             if spec_decode_metadata is not None:  # some request verified drafts this step
                 valid = (sampled_token_ids != -1).sum(1).tolist()  # [n] = 1 + accepted
                 for rid, nd, v in zip(req_ids, spec_decode_metadata.num_draft_tokens, valid):
@@ -121,6 +145,9 @@ class TideWorkerExtension:
                         st.accepted.setdefault(rid, []).append(v - 1)
             st.steps += 1
             b = len(req_ids)
+            if st.auto_close:
+                for rid in req_ids:
+                    st.started.setdefault(rid, st.step_start_wall)
             st.k_next = st.lengths[min(b, len(st.lengths) - 1)] if st.speculate else 0
             out = outer_orig(scheduler_output, sampled_token_ids, sampling_metadata, hidden_states,
                              sample_hidden_states, aux_hidden_states, spec_decode_metadata,
@@ -190,41 +217,64 @@ class TideWorkerExtension:
         return self._tide.capture
 
     def tide_finish(self, finished: dict[str, list[Any]]) -> dict[str, dict[str, Any]]:
-        """Close finished requests: {external id: [num_prompt, num_output, workload]}.
+        """Close finished requests: {external id: [num_prompt, num_output, workload]}. Returns per
+        request its acceptance histogram and the rows handed to the chunk writer."""
+        by_ext = {_external(rid): rid for rid in {*self._tide.pending, *self._tide.accepted}}
+        return {ext: self._tide_end_request(by_ext.get(ext, ext), n_prompt, n_output, str(workload))
+                for ext, (n_prompt, n_output, workload) in finished.items()}
 
-        Rows are trimmed to positions < num_prompt + num_output - 1: the last step can see accepted
-        drafts that the scheduler then drops at max_tokens or a stop token. Returns per request its
-        acceptance histogram and the rows handed to the chunk writer.
-        """
-        st, out = self._tide, {}
-        by_ext = {rid.rsplit("-", 1)[0]: rid for rid in {*st.pending, *st.accepted}}
-        for ext, (n_prompt, n_output, workload) in finished.items():
-            rid = by_ext.get(ext, ext)
-            p = st.pending.pop(rid, None)
-            hist = AcceptanceHistogram(st.gamma)
-            for a in st.accepted.pop(rid, []):
-                hist.add(a)
-            rows = 0
-            if p and p.positions and st.writer is not None:
-                pos = np.concatenate(p.positions)
-                keep = pos < n_prompt + n_output - 1
-                rows = int(keep.sum())
-                run = Run(request_id=ext, tokens=np.concatenate(p.tokens)[keep].astype(np.int32),
-                          positions=pos[keep].astype(np.int32), hidden=np.concatenate(p.hidden)[keep],
-                          is_output=pos[keep] >= n_prompt, workload=str(workload),
-                          acceptance=hist.acceptance_length if hist.steps else float("nan"),
-                          draft_version=st.version if st.speculate else -1)
-                if rows and not st.writer.add(run):
-                    rows = 0
-            out[ext] = dict(accept_counts=hist.counts, rows=rows)
-        return out
+    def _tide_end_request(self, rid: str, n_prompt: int, n_output: int, workload: str) -> dict[str, Any]:
+        """Hand a request's rows to the chunk writer. Rows are trimmed to positions < num_prompt +
+        num_output - 1: the last step can see accepted drafts that the scheduler then drops at
+        max_tokens or a stop token."""
+        st = self._tide
+        p = st.pending.pop(rid, None)
+        hist = AcceptanceHistogram(st.gamma)
+        for a in st.accepted.pop(rid, []):
+            hist.add(a)
+        rows = 0
+        if p and p.positions and st.writer is not None:
+            pos = np.concatenate(p.positions)
+            keep = pos < n_prompt + n_output - 1
+            rows = int(keep.sum())
+            run = Run(request_id=_external(rid), tokens=np.concatenate(p.tokens)[keep].astype(np.int32),
+                      positions=pos[keep].astype(np.int32), hidden=np.concatenate(p.hidden)[keep],
+                      is_output=pos[keep] >= n_prompt, workload=workload,
+                      acceptance=hist.acceptance_length if hist.steps else float("nan"),
+                      draft_version=st.version if st.speculate else -1)
+            if rows and not st.writer.add(run):
+                rows = 0
+        return dict(accept_counts=hist.counts, rows=rows)
+
+    def _tide_end_dropped(self, rid: str, state: Any) -> None:
+        """Close a request the scheduler dropped, with the lengths it kept: its runner state holds
+        every sampled token, a final step's surplus included, so cut at max_tokens, the model length
+        and the first stop token, as the scheduler does (stop strings are the frontend's: rows past
+        one are still the target's own continuation)."""
+        st = self._tide
+        if rid not in st.pending and rid not in st.accepted:
+            return
+        if state is None:  # no runner state left (an engine shutting down): keep every row
+            p = st.pending.get(rid)
+            self._tide_end_request(rid, p.prompt_len if p else 0, 1 << 30, "server")
+            return
+        sp, out = state.sampling_params, list(state.output_token_ids)
+        n_prompt = len(state.prompt_token_ids)
+        n = min(len(out), sp.max_tokens or len(out), self.vllm_config.model_config.max_model_len - n_prompt)  # type: ignore[attr-defined]
+        stops = set(sp.stop_token_ids or ()) | ({sp.eos_token_id} if sp.eos_token_id is not None else set())
+        n = next((i + 1 for i, t in enumerate(out[:n]) if t in stops and i + 1 >= (sp.min_tokens or 0)), n)
+        workload = str((sp.extra_args or {}).get("tide_workload", "server"))
+        rec = self._tide_end_request(rid, n_prompt, n, workload)
+        st.closed.append(dict(request_id=_external(rid), workload=workload, prompt_tokens=n_prompt,
+                              output_ids=[int(t) for t in out[:n]], draft_version=st.version,
+                              started=st.started.pop(rid, time.time()), finished=time.time(), **rec))
 
     def tide_stats(self, reset: bool = True) -> dict[str, Any]:
         st = self._tide
         s = dict(accept_counts=list(st.hist.counts), rates=dict(tried=st.rates.tried, accepted=st.rates.accepted),
                  steps=st.steps, captured_rows=st.captured_rows, version=st.version, speculate=st.speculate,
                  lengths=list(st.lengths), capture=st.capture, writer=st.writer.stats() if st.writer else {},
-                 step_costs=st.step_costs)
+                 step_costs=st.step_costs, generated=st.generated, closed=st.closed)
         if reset:
             st.reset_window()
         return s
@@ -233,8 +283,13 @@ class TideWorkerExtension:
         """Rows this worker's writer has on disk in chunks named from `since_ns` on."""
         return self._tide.writer.tokens_since(int(since_ns)) if self._tide.writer is not None else 0
 
-    def tide_flush(self) -> dict[str, int]:
-        """Write whatever the chunk writer buffers (a partial chunk) and wait for it."""
+    def tide_flush(self, close_pending: bool = False) -> dict[str, int]:
+        """Write whatever the chunk writer buffers (a partial chunk) and wait for it; with
+        `close_pending`, first close every request still open (a server stopping: nothing is live)."""
+        if close_pending:
+            runner = self.model_runner  # type: ignore[attr-defined]
+            for rid in {*self._tide.pending, *self._tide.accepted}:
+                self._tide_end_dropped(rid, runner.requests.get(rid))
         if self._tide.writer is None:
             return {}
         self._tide.writer.flush()
@@ -243,6 +298,7 @@ class TideWorkerExtension:
     def tide_close(self) -> None:
         if self._tide.writer is not None:
             self._tide.writer.close()
+            self._tide.writer = None
 
     # ------------------------------------------------------------------ hot-swap
     def tide_load_draft(self, draft_dir: str, version: int) -> dict[str, Any]:
@@ -288,6 +344,11 @@ def _copy_rows(hidden: torch.Tensor, idx: torch.Tensor) -> np.ndarray:
         host.copy_(rows, non_blocking=True)
     side.synchronize()
     return bf16_to_u16(host)
+
+
+def _external(rid: str) -> str:
+    """The id a client gave: vLLM's engine appends "-<random>" to it."""
+    return rid.rsplit("-", 1)[0]
 
 
 def _synchronizer(device: torch.device) -> Any:

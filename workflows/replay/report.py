@@ -39,6 +39,7 @@ def mode_summary(m: ModeRun, phases: list[str]) -> dict[str, Any]:
         "rollbacks": sum(e.kind == "rollback" for e in m.events),
         "training_wall_s": sum(e.data.get("wall_s", 0.0) for e in trained), "training_cycles": len(trained),
         "bytes_stored": stored, "wall_s": m.windows[-1].t_end if m.windows else 0.0, "workload": m.workload,
+        "latency": m.latency,
     }
 
 
@@ -77,6 +78,12 @@ def _markdown(s: dict[str, Any]) -> str:
     for name, m in modes.items():
         cells = (f"{f(m['phases'][p]['tokens_per_s'])} ({f(m['phases'][p]['acceptance_length'], 2)})" for p in phases)
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    seen = {name: m["latency"] for name, m in modes.items() if m["latency"]}
+    if seen:
+        lines += ["", "Through HTTP (the client's clock)", "",
+                  "| mode | TTFT p50 ms | TTFT p90 ms | ITL mean ms | errors |", "|---|---|---|---|---|"]
+        lines += [f"| {name} | {f(x['ttft_p50_s'] * 1e3)} | {f(x['ttft_p90_s'] * 1e3)} | "
+                  f"{f(x['itl_mean_s'] * 1e3, 2)} | {x['errors']} |" for name, x in seen.items()]
     return "\n".join(lines) + "\n"
 
 

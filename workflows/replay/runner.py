@@ -54,6 +54,7 @@ class ModeRun:
     events: list[Any] = field(default_factory=list)
     store: Path | None = None
     workload: list[dict[str, Any]] = field(default_factory=list)  # per phase: passes, `until` met
+    latency: dict[str, Any] = field(default_factory=dict)  # a client's view (endpoint modes): TTFT, ITL
 
 
 def load_experiment(path: Path) -> tuple[TideConfig, WorkloadSpec, ReplayConfig]:
@@ -164,4 +165,5 @@ def load_mode(out: Path, mode: str) -> ModeRun:
     return ModeRun(mode, [RequestResult.from_json(d) for d in rows("requests.jsonl")],
                    [Window.from_json(d) for d in rows("windows.jsonl")],
                    [Event(**d) for d in json.loads((out / "events.json").read_text())],
-                   store=out / "store" if meta["learns"] else None, workload=meta["workload"])
+                   store=out / "store" if meta["learns"] else None, workload=meta["workload"],
+                   latency=json.loads((out / "latency.json").read_text()) if (out / "latency.json").exists() else {})
