@@ -433,6 +433,23 @@ def test_training_failure_retries_and_stale_results_are_ignored() -> None:
     assert not gate.collecting and gate.warming_up and gate.next_cycle().action is CollectAction.WAIT
 
 
+def test_patience_holds_the_live_draft_and_trains_again_on_more_rows() -> None:
+    """patience 2: a cycle without min_gain keeps the live draft and the regime, which trains again
+    after n_threshold more rows; a gain resets the count; two misses in a row end the regime."""
+    gate = CollectionGate(CollectConfig(n_init=1, n_threshold=100, patience=2))
+    assert gate.collect_now("start").action is CollectAction.COLLECT
+    assert gate.on_stored(100).action is CollectAction.TRAIN
+    hold = gate.on_trained(1, 1.41, 1.40)
+    assert hold.action is CollectAction.HOLD and "1 of 2 in a row" in hold.reason and gate.collecting
+    assert gate.on_stored(99).action is CollectAction.WAIT  # not at once: more rows first
+    assert gate.on_stored(1).action is CollectAction.TRAIN
+    assert gate.on_trained(2, 1.50, 1.40).action is CollectAction.DEPLOY and gate.misses == 0
+    assert gate.next_cycle().action is CollectAction.TRAIN
+    assert gate.on_trained(3, 1.50, 1.50).action is CollectAction.HOLD
+    assert gate.on_stored(100).action is CollectAction.TRAIN
+    assert gate.on_trained(4, 1.49, 1.50).action is CollectAction.REJECT and not gate.collecting
+
+
 def test_untrained_draft_collects_on_request_and_nan_is_ignored() -> None:
     gate = CollectionGate(CollectConfig(n_init=2, n_threshold=100))
     assert gate.on_request(float("nan")).reason == "request acceptance nan ignored" and gate._first == []

@@ -35,7 +35,10 @@ class CollectConfig:
     sigma/5.7. `n_threshold` 32768 stored rows (16 chunks of 2048) before a regime's first cycle:
     the calibration's code draft went from AL 1.00 to 1.45 on 16k output tokens, and prompt rows
     are stored too. `min_gain`: a cycle must beat the live draft's held-out AL (the same data) by
-    this much to be deployed and to keep the regime training; the first that does not ends it.
+    this much to be deployed; `patience` cycles in a row that do not end the regime. A held-out set
+    of a few thousand drafting steps moves by ~0.02 AL between cycles, so with patience 1 a regime
+    that still learns can end on one unlucky evaluation; with 2, the cycle after a miss trains on
+    `n_threshold` more rows first.
     """
 
     lambda_short: float = 0.05
@@ -45,6 +48,7 @@ class CollectConfig:
     n_init: int = 32  # requests
     n_threshold: int = 32_768  # stored tokens (rows) since collection started
     min_gain: float = 0.02  # AL units (the trainer's held-out walk)
+    patience: int = 1  # cycles in a row without that gain that end the regime (the first one: 1)
 
     def __post_init__(self) -> None:
         check(0 < self.lambda_long < self.lambda_short <= 1, "CollectConfig", "lambda_short/lambda_long",
@@ -54,6 +58,7 @@ class CollectConfig:
         check(self.n_init >= 1, "CollectConfig", "n_init", self.n_init, ">= 1 request")
         check(self.n_threshold >= 1, "CollectConfig", "n_threshold", self.n_threshold, ">= 1 token")
         check(self.min_gain >= 0, "CollectConfig", "min_gain", self.min_gain, ">= 0 (AL units)")
+        check(self.patience >= 1, "CollectConfig", "patience", self.patience, ">= 1 (cycles)")
 
 
 @dataclass(frozen=True)

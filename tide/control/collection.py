@@ -12,12 +12,15 @@ the workload shifted, start collecting (a regime: every cycle of it trains on al
 it started). Once `n_threshold` rows are stored: TRAIN. A draft whose held-out AL beats the live
 draft's on the same data by more than `min_gain` is deployed and the regime goes on: the next cycle
 starts at once (`next_cycle`), from the new draft, on every row stored so far, newer rows included.
-The first cycle that does not beat the live draft by `min_gain` (a plateau) ends the regime:
-REJECT, collection stops, and the gate re-learns its baseline from
-the next `n_init` requests, so the draft now serving is what a later shift is measured against.
+A cycle that does not beat the live draft by `min_gain` keeps the live draft; while fewer than
+`patience` such cycles came in a row, HOLD: the regime collects `n_threshold` more rows and trains
+again on all of them. The `patience`-th in a row (a plateau) ends the regime: REJECT, collection
+stops, and the gate re-learns its baseline from the next `n_init` requests, so the draft now
+serving is what a later shift is measured against.
 
 States: IDLE -(shift)-> COLLECTING -(n_threshold stored)-> TRAINING -(better)-> COLLECTING -> TRAINING
-... -(plateau)-> IDLE. Collection stays on while TRAINING; `collecting` says whether to capture.
+... -(no gain, patience left)-> COLLECTING ... -(plateau)-> IDLE. Collection stays on while
+TRAINING; `collecting` says whether to capture.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ class CollectAction(str, Enum):
     COLLECT = "collect"  # start capturing hidden states
     TRAIN = "train"  # train a draft on what was collected
     DEPLOY = "deploy"  # swap in the new draft; stop collecting
+    HOLD = "hold"  # keep the live draft; collect more rows, then train again
     REJECT = "reject"  # keep the live draft; stop collecting
 
 
@@ -50,7 +54,8 @@ class CollectionGate:
     def __init__(self, cfg: CollectConfig) -> None:
         self.cfg = cfg
         self.state = CollectState.IDLE
-        self.stored_tokens = 0  # since collection started
+        self.stored_tokens = 0  # since collection started (since the last HOLD)
+        self.misses = 0  # cycles in a row without min_gain
         self._rebaseline()
 
     @property
@@ -94,7 +99,7 @@ class CollectionGate:
             why = f"long EMA {self.long:.2f} < baseline {self.baseline:.2f} - {cfg.drift_epsilon:g}: slow drift"
         else:
             return Decision(CollectAction.WAIT, f"stable ({emas})")
-        self.state, self.stored_tokens = CollectState.COLLECTING, 0
+        self.state, self.stored_tokens, self.misses = CollectState.COLLECTING, 0, 0
         return Decision(CollectAction.COLLECT, why)
 
     def collect_now(self, why: str) -> Decision[CollectAction]:
@@ -102,12 +107,12 @@ class CollectionGate:
         flat, so no shift will ever show, and speculation will be off, so no AL will even be fed."""
         if self.state is not CollectState.IDLE:
             return Decision(CollectAction.WAIT, f"already {self.state.value} ({why})")
-        self.state, self.stored_tokens = CollectState.COLLECTING, 0
+        self.state, self.stored_tokens, self.misses = CollectState.COLLECTING, 0, 0
         return Decision(CollectAction.COLLECT, why)
 
     def restart(self, why: str) -> Decision[CollectAction]:
         """COLLECT anew from any state (policy always: every deploy starts the next collection)."""
-        self.state, self.stored_tokens = CollectState.COLLECTING, 0
+        self.state, self.stored_tokens, self.misses = CollectState.COLLECTING, 0, 0
         return Decision(CollectAction.COLLECT, why)
 
     def on_stored(self, tokens: int) -> Decision[CollectAction]:
@@ -123,16 +128,21 @@ class CollectionGate:
 
     def on_trained(self, version: int, new_al: float, live_al: float) -> Decision[CollectAction]:
         """DEPLOY draft `version` if its eval AL beats the live draft's on the same data by more than
-        `min_gain` (the regime goes on: `next_cycle`), else REJECT: a plateau, collection stops and
-        the baseline is re-learnt. A result nobody waits for is ignored."""
+        `min_gain` (the regime goes on: `next_cycle`); else HOLD while patience lasts, then REJECT: a
+        plateau, collection stops and the baseline is re-learnt. A result nobody waits for is ignored."""
         if self.state is not CollectState.TRAINING:
             return Decision(CollectAction.WAIT, f"result for v{version} ignored: {self.state.value}, not training",
                             version)
         figures = f"eval AL {new_al:.2f} {{}} live draft {live_al:.2f} + {self.cfg.min_gain:g} on the same data"
         if new_al > live_al + self.cfg.min_gain:
-            self.state = CollectState.COLLECTING
+            self.state, self.misses = CollectState.COLLECTING, 0
             return Decision(CollectAction.DEPLOY, figures.format(">") + ": deploy, train on", version)
-        self.state, self.stored_tokens = CollectState.IDLE, 0
+        self.misses += 1
+        if self.misses < self.cfg.patience:
+            self.state, self.stored_tokens = CollectState.COLLECTING, 0
+            return Decision(CollectAction.HOLD, figures.format("<=") + f" ({self.misses} of {self.cfg.patience} in a "
+                            f"row): keep the live draft, train again after {self.cfg.n_threshold} more rows", version)
+        self.state, self.stored_tokens, self.misses = CollectState.IDLE, 0, 0
         self._rebaseline()
         return Decision(CollectAction.REJECT, figures.format("<=") + ": a plateau; keep the live draft, stop "
                                                                      "collecting", version)

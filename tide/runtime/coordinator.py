@@ -95,6 +95,8 @@ class Coordinator:
         elif d.action is CollectAction.DEPLOY:
             self._deploy(d.version, d.reason)
             self._apply(self.collect.next_cycle())  # the regime trains on while a cycle gains
+        elif d.action is CollectAction.HOLD:
+            self.record("hold", d.reason, d.version)
         elif d.action is CollectAction.REJECT:
             self.engine.set_capture(False)
             self.record("reject", d.reason, d.version)
@@ -207,7 +209,8 @@ class Coordinator:
                     self._apply(self.collect.restart("policy always: collect anew"))
                 else:
                     d = self.collect.on_trained(msg.version, msg.eval_al, msg.base_al)
-                    if d.action is CollectAction.REJECT and msg.base_version == self.engine.version:
+                    kept = d.action in (CollectAction.HOLD, CollectAction.REJECT)
+                    if kept and msg.base_version == self.engine.version:
                         self._estimate = base  # the live draft on fresh data: the gate's evidence while off
                     self._apply(d)
             elif isinstance(msg, TrainFailed):
