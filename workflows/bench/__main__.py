@@ -26,6 +26,7 @@ BENCHES: dict[str, str] = {
     "off-cost": "workflows.bench.control:off_cost",
     "adaptive-k": "workflows.bench.control:adaptive_k",
     "cpu-gemm": "workflows.bench.serving:cpu_gemm",
+    "http-endpoints": "workflows.bench.endpoints:http_endpoints",
 }
 
 
