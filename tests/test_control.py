@@ -316,9 +316,10 @@ def test_warm_up_sets_both_emas_to_the_mean_then_updates_them() -> None:
 def test_worked_example_collects_on_the_sixth_request_after_a_drop() -> None:
     gate = CollectionGate(CollectConfig(n_init=1, **WIDE))
     gate.on_request(2.0)
-    actions = [gate.on_request(1.0).action for _ in range(6)]
-    assert actions == [CollectAction.WAIT] * 5 + [CollectAction.COLLECT]
-    assert gate.short == pytest.approx(1 + 0.95**6) and gate.long == pytest.approx(1 + 0.99**6)
+    decisions = [gate.on_request(1.0) for _ in range(6)]
+    assert [d.action for d in decisions] == [CollectAction.WAIT] * 5 + [CollectAction.COLLECT]
+    assert f"short EMA {1 + 0.95**6:.2f} < long {1 + 0.99**6:.2f}" in decisions[-1].reason
+    assert gate.warming_up  # the new level is learnt from the next n_init requests
 
 
 @pytest.mark.parametrize("seed", range(5))
@@ -448,6 +449,41 @@ def test_patience_holds_the_live_draft_and_trains_again_on_more_rows() -> None:
     assert gate.on_trained(3, 1.50, 1.50).action is CollectAction.HOLD
     assert gate.on_stored(100).action is CollectAction.TRAIN
     assert gate.on_trained(4, 1.49, 1.50).action is CollectAction.REJECT and not gate.collecting
+
+
+def test_a_shift_during_a_regime_starts_a_new_one() -> None:
+    """Continuous learning from the start keeps a regime open; a shift must still start a new one
+    (its cycles then learn the new workload only): at once while collecting, and after the answer
+    of the cycle in flight while training."""
+    def shifted(gate: CollectionGate, level: float) -> Decision[CollectAction]:
+        for _ in range(200):
+            d = gate.on_request(level)
+            if d.action is not CollectAction.WAIT or "workload shifted" in d.reason:
+                return d
+        raise AssertionError("no shift seen")
+
+    gate = CollectionGate(CollectConfig(n_init=4, n_threshold=100, epsilon=0.2))
+    assert gate.collect_now("start").action is CollectAction.COLLECT
+    for _ in range(4):
+        gate.on_request(1.8)
+    gate.on_stored(60)
+    d = shifted(gate, 1.0)  # collecting: a new regime at once, its rows counted from zero
+    assert d.action is CollectAction.COLLECT and "workload shifted" in d.reason and gate.stored_tokens == 0
+    for _ in range(4):
+        gate.on_request(1.0)
+    assert gate.on_stored(100).action is CollectAction.TRAIN
+    d = shifted(gate, 0.4)  # training: wait for the cycle in flight
+    assert d.action is CollectAction.WAIT and "while a cycle trains" in d.reason
+    d = gate.on_trained(5, 1.2, 1.0)  # it learnt the old workload: deployed, then a new regime
+    assert d.action is CollectAction.DEPLOY
+    assert gate.next_cycle().action is CollectAction.COLLECT and gate.stored_tokens == 0
+    assert gate.on_stored(100).action is CollectAction.TRAIN
+    for _ in range(4):
+        gate.on_request(0.4)
+    shifted(gate, 0.0)
+    d = gate.on_trained(6, 0.4, 0.4)  # no gain: the live draft stays and the new regime starts
+    assert d.action is CollectAction.COLLECT and "during the cycle" in d.reason
+    assert gate.state is CollectState.COLLECTING
 
 
 def test_untrained_draft_collects_on_request_and_nan_is_ignored() -> None:

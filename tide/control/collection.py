@@ -9,7 +9,9 @@ started at the mean of the first `n_init` requests:
 
 A drop of the short below the long by epsilon means the acceptance fell faster than noise explains:
 the workload shifted, start collecting (a regime: every cycle of it trains on all rows stored since
-it started). Once `n_threshold` rows are stored: TRAIN. A draft whose held-out AL beats the live
+it started). A shift also ends a regime still running (a new one starts at the shift, after the
+cycle in flight answers), and the EMAs re-learn their baseline from the next `n_init` requests.
+Once `n_threshold` rows are stored: TRAIN. A draft whose held-out AL beats the live
 draft's on the same data by more than `min_gain` is deployed and the regime goes on: the next cycle
 starts at once (`next_cycle`), from the new draft, on every row stored so far, newer rows included.
 A cycle that does not beat the live draft by `min_gain` keeps the live draft; while fewer than
@@ -56,6 +58,7 @@ class CollectionGate:
         self.state = CollectState.IDLE
         self.stored_tokens = 0  # since collection started (since the last HOLD)
         self.misses = 0  # cycles in a row without min_gain
+        self.shifted = ""  # a shift seen while a cycle trained: why (a new regime after its answer)
         self._rebaseline()
 
     @property
@@ -91,15 +94,22 @@ class CollectionGate:
         self.short += cfg.lambda_short * (al - self.short)
         self.long += cfg.lambda_long * (al - self.long)
         emas = f"short {self.short:.2f}, long {self.long:.2f}, baseline {self.baseline:.2f}"
-        if self.state is not CollectState.IDLE:
-            return Decision(CollectAction.WAIT, f"{self.state.value} ({emas})")
         if self.short < self.long - cfg.epsilon:
             why = f"short EMA {self.short:.2f} < long {self.long:.2f} - {cfg.epsilon:g}: workload shifted"
         elif cfg.drift_epsilon and self.long < self.baseline - cfg.drift_epsilon:
             why = f"long EMA {self.long:.2f} < baseline {self.baseline:.2f} - {cfg.drift_epsilon:g}: slow drift"
         else:
-            return Decision(CollectAction.WAIT, f"stable ({emas})")
-        self.state, self.stored_tokens, self.misses = CollectState.COLLECTING, 0, 0
+            return Decision(CollectAction.WAIT, f"{self.state.value}, stable ({emas})")
+        self._rebaseline()  # the new level is learnt from the next n_init requests
+        if self.state is CollectState.TRAINING:  # the cycle in flight answers first (`on_trained`)
+            self.shifted = why
+            return Decision(CollectAction.WAIT, f"{why} while a cycle trains: a new regime starts when it answers")
+        return self._start(why)
+
+    def _start(self, why: str) -> Decision[CollectAction]:
+        """A regime from now: the rows stored from here on, none from before (a shift during a
+        regime starts a new one, so its cycles learn the new workload only)."""
+        self.state, self.stored_tokens, self.misses, self.shifted = CollectState.COLLECTING, 0, 0, ""
         return Decision(CollectAction.COLLECT, why)
 
     def collect_now(self, why: str) -> Decision[CollectAction]:
@@ -107,13 +117,11 @@ class CollectionGate:
         flat, so no shift will ever show, and speculation will be off, so no AL will even be fed."""
         if self.state is not CollectState.IDLE:
             return Decision(CollectAction.WAIT, f"already {self.state.value} ({why})")
-        self.state, self.stored_tokens, self.misses = CollectState.COLLECTING, 0, 0
-        return Decision(CollectAction.COLLECT, why)
+        return self._start(why)
 
     def restart(self, why: str) -> Decision[CollectAction]:
         """COLLECT anew from any state (policy always: every deploy starts the next collection)."""
-        self.state, self.stored_tokens, self.misses = CollectState.COLLECTING, 0, 0
-        return Decision(CollectAction.COLLECT, why)
+        return self._start(why)
 
     def on_stored(self, tokens: int) -> Decision[CollectAction]:
         """Count tokens written to the store; TRAIN once when `n_threshold` are stored since COLLECT."""
@@ -137,6 +145,8 @@ class CollectionGate:
         if new_al > live_al + self.cfg.min_gain:
             self.state, self.misses = CollectState.COLLECTING, 0
             return Decision(CollectAction.DEPLOY, figures.format(">") + ": deploy, train on", version)
+        if self.shifted:  # keep the live draft; the regime of the new workload starts now
+            return self._start(figures.format("<=") + f"; {self.shifted} during the cycle")
         self.misses += 1
         if self.misses < self.cfg.patience:
             self.state, self.stored_tokens = CollectState.COLLECTING, 0
@@ -152,6 +162,8 @@ class CollectionGate:
         epochs on them, and whatever arrived since), until a cycle no longer gains."""
         if self.state is not CollectState.COLLECTING:
             return Decision(CollectAction.WAIT, f"no regime to train on: {self.state.value}")
+        if self.shifted:  # the deployed draft learnt the old workload: collect the new one first
+            return self._start(f"{self.shifted} during the cycle")
         self.state = CollectState.TRAINING
         return Decision(CollectAction.TRAIN, f"the last cycle gained: train again on the regime's "
                                              f"{self.stored_tokens} rows and whatever arrived since")
