@@ -16,7 +16,7 @@ from tide.control import LatencyModel, SpeculationGate, SpeculationObservation
 from tide.draft import DraftRegistry, init_draft, save_draft
 from tide.draft.acceptance import PositionRates
 from tide.serve.engine import Request, TideEngine
-from workflows.bench.common import DEFAULT, base_draft, requests, smollm2
+from workflows.bench.common import DEFAULT, alternating_pairs, base_draft, requests, smollm2, spread
 
 
 def _setup(work: Path, gamma: int) -> tuple[Any, Any, dict[str, Path]]:
@@ -48,25 +48,6 @@ def _serve(eng: TideEngine, reqs: list[Request], b: int, tag: str, **hooks: Any)
     return sum(len(r.output_ids) for r in res) / wall, rates, batch
 
 
-def _pairs(n: int, first, second) -> list[tuple[Any, Any]]:
-    """n (first(), second()) pairs, run in alternating order."""
-    out = []
-    for i in range(n):
-        if i % 2:
-            b = second()
-            a = first()
-        else:
-            a = first()
-            b = second()
-        out.append((a, b))
-    return out
-
-
-def _spread(ratios: list[float]) -> dict[str, float]:
-    return {"mean": statistics.fmean(ratios), "median": statistics.median(ratios), "min": min(ratios),
-            "max": max(ratios)}
-
-
 def _speedup_pairs(eng: TideEngine, reqs: list[Request], b: int, k: int, pairs: int) -> list[tuple[Any, Any]]:
     """Drafting k against plain decoding (speculation off), the same engine and prompts."""
 
@@ -79,7 +60,7 @@ def _speedup_pairs(eng: TideEngine, reqs: list[Request], b: int, k: int, pairs: 
         eng.set_speculation(False)
         return _serve(eng, reqs, b, "off")
 
-    return _pairs(pairs, on, off)
+    return alternating_pairs(pairs, on, off)
 
 
 def controller_accuracy(work: Path, data: Path, quick: bool = False) -> dict[str, Any]:
@@ -105,7 +86,7 @@ def controller_accuracy(work: Path, data: Path, quick: bool = False) -> dict[str
                     predicted = model.speedup(batch, k, rates.expected_length(k))
                     m = statistics.fmean(measured)
                     rows.append({"draft": name, "batch": b, "k": k, "mean_batch": batch, "rates": rates.rates(),
-                                 "expected_length": rates.expected_length(k), "measured": _spread(measured),
+                                 "expected_length": rates.expected_length(k), "measured": spread(measured),
                                  "predicted_speedup": predicted, "rel_error": abs(predicted - m) / m})
                     print(f"{name:>10} b={b} k={k} rates {[round(x, 2) for x in rates.rates()]}: measured "
                           f"{m:.3f}x ({min(measured):.3f}-{max(measured):.3f}) predicted {predicted:.3f}x "
@@ -136,14 +117,14 @@ def never_worse(work: Path, data: Path, quick: bool = False) -> dict[str, Any]:
         coord.serving_starts()
         hooks = dict(between_steps=coord.between_steps, on_window=coord.on_window, on_result=coord.on_result,
                      window_s=cfg.runtime.window_s)
-        runs = _pairs(3 if quick else 6, lambda: _serve(eng, reqs, 1, "tide", **hooks),
+        runs = alternating_pairs(3 if quick else 6, lambda: _serve(eng, reqs, 1, "tide", **hooks),
                       lambda: _serve(plain, reqs, 1, "plain"))
     finally:
         eng.close()
         plain.close()
     ratios = [t[0] / p[0] for t, p in runs]
     off = next((e for e in coord.events if e.kind == "spec-off"), None)
-    return {"ratio_vs_nospec": statistics.fmean(ratios), "pairs": _spread(ratios), "pair_ratios": ratios,
+    return {"ratio_vs_nospec": statistics.fmean(ratios), "pairs": spread(ratios), "pair_ratios": ratios,
             "tokens_per_s_tide": statistics.fmean(t[0] for t, _ in runs),
             "tokens_per_s_nospec": statistics.fmean(p[0] for _, p in runs),
             "spec_off_at_s": off.t if off else None, "spec_off_reason": off.reason if off else None,
@@ -164,11 +145,11 @@ def off_cost(work: Path, data: Path, quick: bool = False) -> dict[str, Any]:
         eng.set_speculation(False)
         for capture in (False, True):
             eng.set_capture(capture)
-            runs = _pairs(3 if quick else 6, lambda: _serve(eng, reqs, 1, "off"),
+            runs = alternating_pairs(3 if quick else 6, lambda: _serve(eng, reqs, 1, "off"),
                           lambda: _serve(plain, reqs, 1, "plain"))
             ratios = [o[0] / p[0] for o, p in runs]
             out[f"capture_{'on' if capture else 'off'}"] = {"ratio_off_over_plain": statistics.fmean(ratios),
-                                                            "pairs": _spread(ratios), "pair_ratios": ratios}
+                                                            "pairs": spread(ratios), "pair_ratios": ratios}
     finally:
         eng.close()
         plain.close()

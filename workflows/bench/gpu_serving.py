@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import time
@@ -37,6 +36,7 @@ import yaml
 from tide.cli import parser, run
 from tide.config import ServeConfig
 from tide.model.target import Target
+from workflows.bench.common import alternating_pairs, spread
 
 PARTS = ("tests", "profile", "lossless", "capture", "capture-overhead", "off-cost", "hot-swap", "speedup", "loop")
 
@@ -48,10 +48,6 @@ def _serve(eng: Any, prompts: list[list[int]], b: int, tag: str, max_tokens: int
     t0 = time.perf_counter()
     res, _ = eng.replay(reqs, concurrency=b, window_s=1e9)
     return sum(len(r.output_ids) for r in res) / (time.perf_counter() - t0), res
-
-
-def _spread(r: list[float]) -> dict[str, float]:
-    return {"mean": statistics.fmean(r), "median": statistics.median(r), "min": min(r), "max": max(r)}
 
 
 class Bench:
@@ -226,7 +222,7 @@ class Bench:
             ratios = _alternate(6, on, off)
         finally:
             self.close(eng)
-        return {"ratio_on_off": _spread(ratios), "pairs": ratios, "batch": 16}
+        return {"ratio_on_off": spread(ratios), "pairs": ratios, "batch": 16}
 
     def off_cost(self) -> dict[str, Any]:
         return {f"batch{b}": self._off_cost(b) for b in (1, 16)}
@@ -242,7 +238,7 @@ class Bench:
                                 lambda: _serve(plain, self.prompts[: 2 * b], b, "p", 64)[0])
         finally:
             self.close(eng, plain)
-        return {"ratio_off_over_plain": _spread(ratios), "pairs": ratios}
+        return {"ratio_off_over_plain": spread(ratios), "pairs": ratios}
 
     def hot_swap(self) -> dict[str, Any]:
         eng = self.engine(4, self.draft)
@@ -250,7 +246,7 @@ class Bench:
             pauses = [eng.swap(self.other if i % 2 == 0 else self.draft, i + 1) for i in range(12)]
         finally:
             self.close(eng)
-        return {"pause_ms": _spread(pauses[2:]), "all_ms": pauses}
+        return {"pause_ms": spread(pauses[2:]), "all_ms": pauses}
 
     def speedup(self) -> dict[str, Any]:
         return {f"batch{b}": self._speedup(b) for b in (1, 16)}
@@ -273,7 +269,7 @@ class Bench:
             _serve(eng, self.prompts[:b], b, "w", 16)
             row = {}
             for k[0] in (1, 2, 3):
-                row[f"k{k[0]}"] = _spread(_alternate(3, spec, plain))
+                row[f"k{k[0]}"] = spread(_alternate(3, spec, plain))
         finally:
             self.close(eng)
         return row
@@ -321,17 +317,8 @@ def _prompts(target: Target, n: int = 64) -> list[list[int]]:
 
 
 def _alternate(n: int, a: Any, b: Any) -> list[float]:
-    """a()/b() over n pairs, the order flipped every pair so that drift cancels."""
-    out = []
-    for i in range(n):
-        if i % 2:
-            y = b()
-            x = a()
-        else:
-            x = a()
-            y = b()
-        out.append(x / y)
-    return out
+    """a()/b() over n alternating pairs."""
+    return [x / y for x, y in alternating_pairs(n, a, b)]
 
 
 def _retag(draft: Path, target: Target, weights_sha256: str, work: Path) -> dict[str, Any] | None:
