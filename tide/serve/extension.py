@@ -134,10 +134,11 @@ class TideWorkerExtension:
         def outer(scheduler_output, sampled_token_ids, sampling_metadata, hidden_states, sample_hidden_states,
                   aux_hidden_states, spec_decode_metadata, common_attn_metadata, slot_mappings):
             req_ids = runner.input_batch.req_ids
-            st.generated += int((sampled_token_ids != -1).sum()) if isinstance(sampled_token_ids, torch.Tensor) \
-                else sum(len(t) for t in sampled_token_ids)
-            if spec_decode_metadata is not None:  # some request verified drafts this step
+            if spec_decode_metadata is None:  # one token per request, no -1 slots
+                st.generated += len(req_ids)
+            else:  # some request verified drafts this step
                 valid = (sampled_token_ids != -1).sum(1).tolist()  # [n] = 1 + accepted
+                st.generated += sum(valid)
                 for rid, nd, v in zip(req_ids, spec_decode_metadata.num_draft_tokens, valid):
                     if nd > 0:
                         st.hist.add(v - 1)
