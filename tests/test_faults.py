@@ -15,6 +15,7 @@ Filesystems are real: small tmpfs mounts (root only, like the test cluster).
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
@@ -177,6 +178,48 @@ def test_a_full_disk_pauses_capture_while_serving_goes_on(mount: Callable[..., P
         w.close()
     assert w.stats()["files"] == full["files"] + 1
     assert "chunk writer: capture resumed" in caplog.text
+
+
+# ---- signals ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.vllm
+@pytest.mark.timeout(900)
+def test_sigterm_ends_the_main_job_with_its_results_and_a_restart_resumes_from_the_newest_draft(
+        tmp_path: Path) -> None:
+    """SIGTERM to `tide.launch` mid-run (a trained draft published, the workload not done): no new
+    requests, those in flight finish, the store is flushed and the trainer stopped, and summary.json,
+    events.json, windows and requests are written (`stopped: SIGTERM`, no no-speculation baseline).
+    Started again on the same run dir, it serves the newest draft from its first window on."""
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "tide.launch", "--config", "configs/ci.yaml", "--out", str(out)]
+
+    def run_until(pattern: str, log: Path) -> subprocess.CompletedProcess[str]:
+        with open(log, "w") as f:
+            p = subprocess.Popen(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, text=True)
+        try:
+            wait_for_line(log, pattern, 600)
+            p.send_signal(signal.SIGTERM)
+            assert p.wait(timeout=240) == 0, log.read_text()[-3000:]
+        finally:
+            if p.poll() is None:
+                p.kill()
+        return p
+
+    run_until(r"draft v1 ", out.parent / "first.log")
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["stopped"] == "SIGTERM" and summary["nospec_tokens_per_s"] is None
+    assert summary["requests"] > 0 and (out / "requests.jsonl").exists()
+    assert "stop" in [e["kind"] for e in json.loads((out / "events.json").read_text())]
+    assert "SIGTERM: no new requests" in (out.parent / "first.log").read_text()
+    newest = DraftRegistry(out / "drafts").latest()
+    chunks = {p.name for p in (out / "store").glob("*.h5")}
+    assert newest >= 1 and chunks
+
+    run_until(r"\] AL .* draft v\d", out.parent / "second.log")
+    first_window = json.loads((out / "windows.jsonl").read_text().splitlines()[0])
+    assert first_window["draft_version"] == newest
+    assert json.loads((out / "summary.json").read_text())["stopped"] == "SIGTERM"
 
 
 # ---- ranks dying on the test cluster ---------------------------------------------------------------

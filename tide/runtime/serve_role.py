@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import signal
+import threading
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -48,6 +52,7 @@ class Served:
     process: dict[str, Any]  # the serving process: engine core placement, cores, threads
     latency: dict[str, Any] | None  # the latency model at the end (start-up profile, refit while serving)
     lengths: list[int]  # the draft length of each batch size at the end
+    stopped: str = ""  # the signal that ended the workload early, "" when it ran to its end
 
 
 def serve(cfg: TideConfig, run: RunLayout, segments: list[Segment], transport: Transport | None,
@@ -76,9 +81,12 @@ def serve(cfg: TideConfig, run: RunLayout, segments: list[Segment], transport: T
         source.observe(r)
 
     try:
-        results, windows = engine.replay(source, concurrency or cfg.workload.concurrency, cfg.runtime.window_s,
-                                         between_steps=coord.between_steps, on_window=show, on_result=finished)
+        with stop_on_signals(source):
+            results, windows = engine.replay(source, concurrency or cfg.workload.concurrency, cfg.runtime.window_s,
+                                             between_steps=coord.between_steps, on_window=show, on_result=finished)
         engine.flush()
+        if source.stopped:
+            coord.record("stop", f"{source.stopped}: the workload ended early, after the requests in flight")
         process, lengths = engine.process_info(), list(engine.lengths)
     finally:
         if transport is not None:
@@ -88,7 +96,36 @@ def serve(cfg: TideConfig, run: RunLayout, segments: list[Segment], transport: T
     write_jsonl(run.out / "requests.jsonl", (r.to_json() for r in results))
     write_json(run.out / "events.json", [asdict(e) for e in coord.events])
     latency = coord.model.to_json() if coord.model else None
-    return Served(results, windows, coord.events, source.served, source.outcomes, process, latency, lengths)
+    return Served(results, windows, coord.events, source.served, source.outcomes, process, latency, lengths,
+                  source.stopped)
+
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR2)  # USR2: submitit's before the time limit
+
+
+@contextlib.contextmanager
+def stop_on_signals(source: RequestSource) -> Iterator[None]:
+    """The first SIGTERM, SIGINT or SIGUSR2 ends the workload early: no new requests, those in flight
+    finish, and the run writes its results as at a normal end. A second signal acts as usual."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    before = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
+
+    def handler(signum: int, _frame: object) -> None:
+        name = signal.Signals(signum).name
+        log.warning("%s: no new requests; the ones in flight finish, then the results are written", name)
+        source.stop(name)
+        for sig, h in before.items():
+            signal.signal(sig, h)
+
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, handler)
+    try:
+        yield
+    finally:
+        for sig, h in before.items():
+            signal.signal(sig, h)
 
 
 def nospec_rate(cfg: TideConfig, run: RunLayout, requests: list[Request]) -> dict[str, float]:
@@ -115,7 +152,7 @@ def summarize(cfg: TideConfig, run: RunLayout, s: Served, nospec: dict[str, floa
         "speedup_end_over_nospec": end["tokens_per_s"] / nospec["tokens_per_s"] if nospec else None,
         "swaps": len(swaps), "versions": sorted({e.version for e in swaps}),
         "requests": len(results), "output_tokens": sum(len(r.output_ids) for r in results),
-        "wall_s": windows[-1].t_end if windows else 0.0, "segment_requests": tail,
+        "wall_s": windows[-1].t_end if windows else 0.0, "segment_requests": tail, "stopped": s.stopped or None,
         "stored_tokens": windows[-1].stored_tokens if windows else 0,
         "training": training_state(events),
         "speculation_on_fraction": spec_on_fraction(windows),
@@ -151,5 +188,5 @@ def run_coordinator(cfg: TideConfig, run: RunLayout, transport: Transport | None
     served = serve(cfg, run, [Segment(requests, cfg.workload.until)], transport, trainer_ranks)
     tail = tail or max(1, len(served.results) // 5)
     last = [served.requests[r.request_id] for r in sorted(served.results, key=lambda r: r.finish)[-tail:]]
-    nospec = nospec_rate(cfg, run, last) if cfg.workload.nospec_baseline else None
+    nospec = nospec_rate(cfg, run, last) if cfg.workload.nospec_baseline and not served.stopped else None
     return summarize(cfg, run, served, nospec, tail)

@@ -62,9 +62,14 @@ class RequestSource:
         self.outcomes: list[dict[str, Any]] = []  # per segment: passes, whether `until` was met, seconds
         self._results: list[tuple[RequestResult, int]] = []  # finished in this segment, with len(events) then
         self._first_event = 0  # index into events where the current segment started
+        self.stopped = ""  # why no more requests are yielded (a signal), "" while the workload runs
 
     def observe(self, r: RequestResult) -> None:
         self._results.append((r, len(self.events)))
+
+    def stop(self, reason: str) -> None:
+        """Yield nothing more: requests in flight finish, the run ends with its results written."""
+        self.stopped = reason
 
     def __iter__(self) -> Iterator[Request]:
         shift, last, end = 0.0, 0.0, 0.0  # arrival shift, last arrival yielded, previous segment's planned end
@@ -80,6 +85,10 @@ class RequestSource:
             k, stop, met = 0, until is None, until is None
             while True:
                 for r in seg.requests:
+                    if self.stopped:
+                        self.outcomes.append(dict(segment=i, passes=k + 1, until_met=False, stopped=self.stopped,
+                                                  s=round(time.monotonic() - t0, 3)))
+                        return
                     if k:
                         stop, met = self._check(until, t0)  # type: ignore[arg-type]
                         if stop:
