@@ -9,11 +9,13 @@ roles of different releases degrade to "not understood", never to a crash.
 from __future__ import annotations
 
 import dataclasses
+import typing
 from dataclasses import dataclass
 
 import msgpack
 
 PROTOCOL = 4  # bump when a message changes incompatibly
+MAX_BYTES = 1 << 16  # the largest message is a DraftReady of a few hundred bytes; a frame above this is refused
 
 
 @dataclass(frozen=True)
@@ -71,6 +73,7 @@ class Shutdown:
 
 Message = Train | TrainProgress | DraftReady | TrainFailed | Heartbeat | Shutdown
 TYPES: dict[str, type] = {t.__name__: t for t in Message.__args__}  # type: ignore[attr-defined]
+FIELDS = {name: typing.get_type_hints(t) for name, t in TYPES.items()}
 
 
 class BadMessage(ValueError):
@@ -83,9 +86,13 @@ def encode(msg: Message) -> bytes:
 
 
 def decode(data: bytes) -> Message:
-    """Inverse of `encode`; anything else (an unknown kind or version too) is a BadMessage saying why."""
+    """Inverse of `encode`; anything else (an unknown kind or version, a field of another type, more
+    than MAX_BYTES) is a BadMessage saying why. Field types are checked because receivers build paths
+    and indices from them (a `version` is an int, never a string like "../x")."""
+    if len(data) > MAX_BYTES:
+        raise BadMessage(f"{len(data)} bytes, over the limit of {MAX_BYTES}")
     try:
-        d = msgpack.unpackb(data, raw=False)
+        d = msgpack.unpackb(data, raw=False, strict_map_key=True)
     except Exception as e:  # msgpack raises several unrelated kinds on garbage
         raise BadMessage(f"not msgpack ({len(data)} bytes): {e!r}") from None
     if not isinstance(d, dict):
@@ -95,7 +102,21 @@ def decode(data: bytes) -> Message:
         raise BadMessage(f"protocol version {version!r} (kind {kind!r}); this side speaks {PROTOCOL}")
     if kind not in TYPES:
         raise BadMessage(f"unknown kind {kind!r} (protocol {PROTOCOL})")
-    try:
-        return TYPES[kind](**d)
-    except TypeError as e:  # missing or unknown fields
-        raise BadMessage(f"{kind}: {e}") from None
+    fields = FIELDS[kind]
+    if set(d) != set(fields):
+        raise BadMessage(f"{kind}: fields {sorted(map(str, set(d) ^ set(fields)))} missing or unknown")
+    for name, value in d.items():
+        if not _is(value, fields[name]):
+            raise BadMessage(f"{kind}.{name}: {type(value).__name__} where {fields[name]} belongs")
+    return TYPES[kind](**d)
+
+
+def _is(value: object, hint: object) -> bool:
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if typing.get_origin(hint) is list:
+        (item,) = typing.get_args(hint)
+        return isinstance(value, list) and all(_is(v, item) for v in value)
+    return isinstance(value, hint)  # type: ignore[arg-type]

@@ -2,7 +2,8 @@
 
 Both are non-blocking: `poll()` returns what has arrived, `send()` never waits for the peer and may
 be called from several threads (the trainer's heartbeat has its own). What cannot be decoded
-(garbage, an unknown kind, another protocol version) is logged and dropped.
+(garbage, an unknown kind, another protocol version, a field of another type) is logged, counted
+in `dropped` and dropped; a socket frame over `messages.MAX_BYTES` closes the connection.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import threading
 import time
 from typing import Protocol
 
-from tide.runtime.messages import BadMessage, Message, decode, encode
+from tide.runtime.messages import MAX_BYTES, BadMessage, Message, decode, encode
 
 TAG = 7  # MPI tag of TIDE messages
 log = logging.getLogger(__name__)
@@ -31,12 +32,14 @@ class Transport(Protocol):
     def close(self) -> None: ...
 
 
-def _received(out: list[tuple[int, Message]], src: int, data: bytes) -> None:
-    """Append the message in `data` to `out`, or log and drop it."""
+def _received(out: list[tuple[int, Message]], src: int, data: bytes) -> int:
+    """Append the message in `data` to `out`, or log and drop it; 1 when dropped (a transport counts them)."""
     try:
         out.append((src, decode(data)))
+        return 0
     except BadMessage as e:
         log.warning("transport: dropped a message from rank %d: %s", src, e)
+        return 1
 
 
 class MPITransport:
@@ -48,6 +51,7 @@ class MPITransport:
 
         self.MPI, self.comm = MPI, MPI.COMM_WORLD
         self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
+        self.dropped = 0  # messages not understood, logged and dropped
         self._inflight: list[tuple[object, bytes]] = []
         self._lock = threading.Lock()  # guards _inflight; mpi4py initialises MPI_THREAD_MULTIPLE
 
@@ -63,7 +67,7 @@ class MPITransport:
             buf = bytearray(st.Get_count(self.MPI.BYTE))
             src = st.Get_source()
             self.comm.Recv([buf, self.MPI.BYTE], source=src, tag=TAG)
-            _received(out, src, bytes(buf))
+            self.dropped += _received(out, src, bytes(buf))
         return out
 
     def close(self, timeout_s: float = 10.0) -> None:
@@ -88,6 +92,7 @@ class SocketTransport:
         self._buf = b""
         self._lock = threading.Lock()  # one frame at a time on the stream
         self.closed = False
+        self.dropped = 0  # messages not understood, logged and dropped
 
     def send(self, dest: int, msg: Message) -> None:
         assert dest == self.peer, f"socket transport reaches only rank {self.peer}"
@@ -106,9 +111,18 @@ class SocketTransport:
                 break
             self._buf += chunk
             timeout = 0.0
-        out = []
-        while len(self._buf) >= 4 and len(self._buf) >= 4 + (n := struct.unpack("!I", self._buf[:4])[0]):
-            _received(out, self.peer, self._buf[4 : 4 + n])
+        out: list[tuple[int, Message]] = []
+        while len(self._buf) >= 4:
+            n = struct.unpack("!I", self._buf[:4])[0]
+            if n > MAX_BYTES:  # not a frame of ours: the stream cannot be resynchronised
+                log.error("transport: a frame of %d bytes from rank %d (limit %d): closing the connection", n,
+                          self.peer, MAX_BYTES)
+                self.dropped += 1
+                self.close()
+                break
+            if len(self._buf) < 4 + n:
+                break
+            self.dropped += _received(out, self.peer, self._buf[4 : 4 + n])
             self._buf = self._buf[4 + n :]
         return out
 
