@@ -41,7 +41,8 @@ def from_dict(cls: type[T], data: Any, source: str = "<dict>", prefix: str = "")
     """Build dataclass `cls` from plain data, checking keys and types recursively."""
 
     def fail(key_path: str, msg: str) -> typing.NoReturn:
-        raise ConfigError(f"{source}: {key_path or '<top>'}: {msg}")
+        line = f"{source}: {key_path or '<top>'}: {msg}"
+        raise ConfigError(line.replace("\r", "\\r").replace("\n", "\\n"))  # one line, whatever the YAML held
 
     if not isinstance(data, dict):
         fail(prefix, f"expected a mapping, got {type(data).__name__}")
@@ -49,7 +50,8 @@ def from_dict(cls: type[T], data: Any, source: str = "<dict>", prefix: str = "")
     fields = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
     kwargs = {}
     for key, value in data.items():
-        key_path = f"{prefix}.{key}" if prefix else str(key)
+        name = key if isinstance(key, str) and key.isprintable() else repr(key)
+        key_path = f"{prefix}.{name}" if prefix else name
         if key not in fields:
             close = difflib.get_close_matches(str(key), fields, n=1)
             hint = f"did you mean {close[0]}?" if close else f"valid keys: {', '.join(fields)}"

@@ -6,7 +6,7 @@ uint16 bit pattern because HDF5 has no bfloat16) and whether it is a prompt or a
 Per run: request id, workload tag, live acceptance and the draft version that served it.
 
 Files are write-once: written to `NAME.h5.tmp`, fsynced, then renamed to `NAME.h5`, so a reader
-never sees half a file. A crc32 over the row data catches silent corruption; any problem is a
+never sees half a file. A crc32 over the rows and each run's metadata catches silent corruption; any problem is a
 `ChunkError` naming the file and the field.
 """
 
@@ -26,7 +26,8 @@ import torch
 
 from tide.model.target import ChunkMeta
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: the checksum covers each run's metadata too
+READABLE_VERSIONS = (1, 2)
 SUFFIX = ".h5"
 _HIDDEN_CHUNK_BYTES = 1 << 20  # HDF5 storage chunk of the hidden dataset: about 1 MiB of rows
 _STR = h5py.string_dtype("utf-8")
@@ -98,12 +99,18 @@ def check_run(run: Run, meta: ChunkMeta) -> None:
                              f"got {got}")
 
 
-def _crc(runs: list[Run]) -> int:
-    """crc32 over tokens, positions, hidden, is_output (little-endian bytes, in that order)."""
+def _crc(runs: list[Run], version: int = FORMAT_VERSION) -> int:
+    """crc32 over tokens, positions, hidden, is_output (little-endian bytes, in that order), then, from
+    format 2 on, each run's length, request id, workload, acceptance and draft version."""
     crc = 0
     for name, dtype in (("tokens", "<i4"), ("positions", "<i4"), ("hidden", "<u2"), ("is_output", "u1")):
         for r in runs:
             crc = zlib.crc32(np.ascontiguousarray(getattr(r, name), dtype=dtype).data, crc)
+    if version >= 2:
+        for r in runs:
+            crc = zlib.crc32(f"{len(r)}\0{r.request_id}\0{r.workload}\0".encode(), crc)
+            crc = zlib.crc32(np.array([r.acceptance], "<f4").tobytes() + np.array([r.draft_version], "<i4").tobytes(),
+                             crc)
     return crc
 
 
@@ -170,9 +177,9 @@ def _header(f: h5py.File, path: Path) -> tuple[ChunkMeta, int]:
                 "checksum"):
         if key not in a:
             raise ChunkError(path, key, "attribute missing", "format")
-    if int(a["format_version"]) != FORMAT_VERSION:
+    if int(a["format_version"]) not in READABLE_VERSIONS:
         raise ChunkError(path, "format_version", f"is {a['format_version']}, this reader knows "
-                         f"{FORMAT_VERSION}", "format")
+                         f"{', '.join(map(str, READABLE_VERSIONS))}", "format")
     meta = ChunkMeta(str(a["target_id"]), str(a["target_hash"]), int(a["hidden_size"]),
                      tuple(int(i) for i in np.atleast_1d(a["layer_ids"])))
     return meta, int(a["num_tokens"])
@@ -198,7 +205,8 @@ def _open(path: Path) -> Iterator[h5py.File]:
         raise
     except FileNotFoundError as e:
         raise ChunkError(path, "file", f"gone ({e})", "missing") from e
-    except (OSError, KeyError, TypeError, ValueError) as e:  # truncated, garbage, missing dataset
+    except (OSError, KeyError, TypeError, ValueError, RuntimeError) as e:  # truncated, garbage (HDF5 raises
+        # RuntimeError for a damaged B-tree), a missing dataset
         raise ChunkError(path, "file", f"unreadable HDF5 ({type(e).__name__}: {e})") from e
 
 
@@ -233,7 +241,7 @@ def read_chunk(path: Path, expect: ChunkMeta | None = None) -> list[Run]:
         workloads = list(f["run_workload"].asstr()[()])
         acc = f["run_acceptance"][()].astype(float)
         ver = f["run_draft_version"][()].astype(int)
-        stored = int(f.attrs["checksum"])
+        stored, version = int(f.attrs["checksum"]), int(f.attrs["format_version"])
     r = len(offsets) - 1
     if r < 1 or offsets[0] != 0 or offsets[-1] != n or np.any(np.diff(offsets) < 0):
         raise ChunkError(path, "run_offsets", f"not a partition of {n} rows: {offsets[:8]}", "shape")
@@ -242,7 +250,7 @@ def read_chunk(path: Path, expect: ChunkMeta | None = None) -> list[Run]:
     runs = [Run(ids[i], tokens[lo:hi], positions[lo:hi], hidden[lo:hi], is_output[lo:hi],
                 workloads[i], float(acc[i]), int(ver[i]))
             for i, (lo, hi) in enumerate(zip(offsets[:-1], offsets[1:]))]
-    if (crc := _crc(runs)) != stored:
+    if (crc := _crc(runs, version)) != stored:
         raise ChunkError(path, "checksum", f"crc32 of the rows is {crc:#010x}, the file says {stored:#010x}",
                          "checksum")
     return runs
