@@ -36,6 +36,7 @@ class FakeEngine:
         self.lengths = [gamma] * 5
         self.writer = ChunkWriter(store, META, chunk_tokens=CHUNK)
         self.swaps: list[int] = []
+        self.paths: list[str] = []
         self._n = 0
 
     def set_capture(self, on: bool) -> None:
@@ -50,6 +51,7 @@ class FakeEngine:
     def swap(self, path: str, version: int) -> float:
         self.version = version
         self.swaps.append(version)
+        self.paths.append(path)
         return 1.0
 
     def stored_since(self, since_ns: int) -> int:
@@ -151,6 +153,19 @@ def test_policy_always_deploys_every_trained_draft_even_a_worse_one(tmp_path: Pa
     coord.between_steps(engine, 1.0)
     assert engine.version == 1 and engine.speculate and engine.capture
     assert [e.kind for e in coord.events if e.kind in ("deploy", "reject")] == ["deploy"]
+    engine.writer.close()
+
+
+def test_a_draft_is_swapped_from_the_run_drafts_dir_whatever_path_the_message_names(tmp_path: Path) -> None:
+    """Security: a DraftReady's `path` is informational; the swap reads DRAFTS/v<int version>."""
+    engine, transport = FakeEngine(tmp_path / "store"), ListTransport()
+    coord = Coordinator(config("always"), engine, transport, trainer_ranks=[1], drafts_root=str(tmp_path / "drafts"))
+    coord.start()
+    engine.serve_chunks(3)
+    coord.on_window(window(engine))
+    transport.inbox.append((1, dataclasses.replace(ready(1, 1, 1.5, 1.0), path="/etc/../tmp/evil")))
+    coord.between_steps(engine, 1.0)
+    assert engine.paths == [f"{tmp_path}/drafts/v1"]
     engine.writer.close()
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import sys
 from collections.abc import Callable, Sequence
 
@@ -37,8 +38,11 @@ def parser(prog: str, doc: str | None, epilog: str | None = None) -> argparse.Ar
 
 def run(p: argparse.ArgumentParser, body: Callable[[argparse.Namespace], int | None],
         argv: Sequence[str] | None = None) -> int:
-    """Parse `argv`, log to stderr, run `body(args)`; a ValueError is bad input: one line, exit 2."""
+    """Parse `argv`, log to stderr, run `body(args)`; a ValueError is bad input: one line, exit 2.
+    Nothing this process (or a child) creates is writable by others, whatever the caller's umask:
+    the store and the drafts are read by other roles, and a stranger's write there is a bad draft."""
     args = p.parse_args(argv)
+    os.umask(os.umask(0o022) | 0o002)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr)
     try:
         return body(args) or 0
