@@ -7,16 +7,20 @@ serves the same prompts under every condition. Both run in fp32 so that a differ
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 
 import numpy as np
 import pytest
 import torch
 from conftest import random_prompts
+from safetensors.torch import load_file, save_file
 
 from tide.config import ServeConfig, TrainConfig
 from tide.draft import DraftRegistry, init_draft, load_draft, save_draft
 from tide.draft.acceptance import AcceptanceHistogram
+from tide.draft.io import WEIGHTS
 from tide.serve.engine import Request, TideEngine
 from tide.store import ChunkReader, u16_to_bf16
 from tide.train import DraftTrainer
@@ -125,6 +129,38 @@ def test_lossless_across_hot_swaps_mid_request(engine, drafts, prompts, referenc
     assert len(swaps) >= 4
     got = outputs(res)
     assert got == {k: reference[k] for k in got}
+
+
+def _edit_weights(d, edit):
+    w = load_file(str(d / WEIGHTS))
+    name = next(k for k, v in sorted(w.items()) if v.is_floating_point() and v.dim() == 2)
+    w[name] = edit(w[name])
+    save_file(w, str(d / WEIGHTS))
+
+
+BAD_DRAFTS = {  # how a published draft goes bad -> what the refusal says
+    "truncated": (lambda d: (d / WEIGHTS).write_bytes((d / WEIGHTS).read_bytes()[:5000]), "not a readable safetensors"),
+    "nan": (lambda d: _edit_weights(d, lambda t: t.index_fill(0, torch.tensor([0]), float("nan"))), "NaN or Inf"),
+    "shape": (lambda d: _edit_weights(d, lambda t: t[:-1].clone()), "the serving draft has"),
+    "other-target": (lambda d: (d / "meta.json").write_text(json.dumps({"target_hash": "0" * 64})), "another model"),
+}
+
+
+def test_a_bad_draft_is_refused_before_the_swap_and_serving_goes_on(engine, drafts, prompts, reference, tmp_path):
+    """Each is refused with one line naming the file and what is wrong; the live draft keeps serving."""
+    _, reg = drafts
+    live = engine.version
+    for name, (spoil, says) in BAD_DRAFTS.items():
+        bad = tmp_path / name
+        shutil.copytree(reg.path(1), bad)
+        spoil(bad)
+        with pytest.raises(Exception, match=says) as e:
+            engine.swap(bad, 7)
+        assert str(bad) in str(e.value) and "\n" not in str(e.value).strip(), e.value
+        assert engine.version == live
+    res, _ = engine.replay(requests(prompts[:4], "bad"), concurrency=2)
+    got = outputs(res)
+    assert got == {k: reference[k] for k in got} and all(r.draft_version == live for r in res)
 
 
 def test_lossless_when_the_draft_length_changes_every_step(engine, drafts, prompts, reference):
