@@ -416,7 +416,7 @@ def test_equal_eval_is_rejected_and_min_gain_raises_the_bar() -> None:
     assert trained(CollectConfig(), 1.53, 1.5) is CollectAction.DEPLOY
 
 
-def test_training_failure_retries_and_stale_results_are_ignored() -> None:
+def test_training_failure_retries_with_backoff_and_stale_results_are_ignored() -> None:
     gate = CollectionGate(CollectConfig(n_init=1, n_threshold=100))
     assert gate.on_trained(1, 3.0, 1.0).action is CollectAction.WAIT  # nobody asked
     assert gate.on_stored(500).action is CollectAction.WAIT and gate.stored_tokens == 0  # idle: not counted
@@ -426,9 +426,14 @@ def test_training_failure_retries_and_stale_results_are_ignored() -> None:
     assert gate.on_stored(60).action is CollectAction.WAIT
     assert gate.on_stored(60).action is CollectAction.TRAIN and gate.state is CollectState.TRAINING
     assert gate.on_stored(60).action is CollectAction.WAIT  # TRAIN is emitted once
-    assert "will retry" in gate.on_training_failed("trainer rank died").reason and gate.collecting
-    assert gate.on_stored(10).action is CollectAction.TRAIN
-    assert gate.on_trained(4, 1.9, 1.2).action is CollectAction.DEPLOY
+    assert "will retry after 100 more rows" in gate.on_training_failed("trainer rank died").reason and gate.collecting
+    assert gate.on_stored(99).action is CollectAction.WAIT  # 180 + 99 < 180 + 100
+    assert gate.on_stored(1).action is CollectAction.TRAIN
+    for backoff in (200, 400, 800, 1600, 1600):  # doubling, at most MAX_BACKOFF x n_threshold
+        assert f"after {backoff} more rows" in gate.on_training_failed("CUDA OOM").reason
+        assert gate.on_stored(backoff - 1).action is CollectAction.WAIT
+        assert gate.on_stored(1).action is CollectAction.TRAIN
+    assert gate.on_trained(4, 1.9, 1.2).action is CollectAction.DEPLOY and gate.failures == 0
     assert gate.collecting and gate.next_cycle().action is CollectAction.TRAIN  # the regime trains on
     assert gate.on_trained(5, 1.9, 1.9).action is CollectAction.REJECT  # a plateau ends it
     assert not gate.collecting and gate.warming_up and gate.next_cycle().action is CollectAction.WAIT
@@ -530,6 +535,20 @@ def test_the_bar_does_not_move_with_the_draft_length() -> None:
     """The same draft drafting 1 or 3 tokens a step has the same first-draft acceptance."""
     assert watched().decide(PositionRates(3, [256, 0, 0], [115, 0, 0])).action is RollbackAction.CONFIRM  # k 1
     assert watched().decide(rates(0.45, 0.2, 0.1)).action is RollbackAction.CONFIRM  # k 3
+
+
+def test_a_draft_that_wins_offline_but_loses_live_to_the_one_it_replaced_goes_back() -> None:
+    """The bar is also the replaced draft's live first-draft acceptance on the same traffic, less
+    previous_margin (0.1): 0.45 live before the swap -> 0.35, above 0.6 x 0.55 = 0.33."""
+    gate = RollbackGate(RollbackConfig(), GAMMA)
+    gate.watch(3, 0.55, 2, previous_live=0.45)
+    d = gate.decide(rates(0.34, 0.3, 0.2))
+    assert (d.action, d.version) == (RollbackAction.ROLLBACK, 2)
+    assert d.reason == "live first-draft acceptance 0.34 < 0.35 = v2's live 0.45 - 0.1 over 256 steps: v3 back to v2"
+    gate.watch(3, 0.55, 2, previous_live=0.45)
+    assert gate.decide(rates(0.36, 0.3, 0.2)).action is RollbackAction.CONFIRM
+    gate.watch(3, 0.55, 2, previous_live=0.30)  # a weak predecessor does not lower the held-out bar
+    assert gate.decide(rates(0.32, 0.3, 0.2)).action is RollbackAction.ROLLBACK
 
 
 def test_rollback_without_an_earlier_draft_turns_speculation_off() -> None:

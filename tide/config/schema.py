@@ -67,14 +67,19 @@ class RollbackConfig:
     Live runs below the held-out walk (traffic moves on from the data the walk was drawn from), so
     0.6 leaves room for that, while a draft that does not load right accepts ~0. `window_steps`:
     drafting steps before judging; 256 put the live rate within ~0.03 (binomial), well inside the
-    gap between a collapsed draft and the bar whenever the held-out rate is >= 0.2."""
+    gap between a collapsed draft and the bar whenever the held-out rate is >= 0.2.
+    `previous_margin`: the new draft must also keep the first-draft acceptance the draft it replaced
+    had live just before the swap (on the same traffic), less this margin; a draft that wins offline
+    but loses live goes back."""
 
     fraction: float = 0.6
     window_steps: int = 256
+    previous_margin: float = 0.1
 
     def __post_init__(self) -> None:
         check(0 < self.fraction <= 1, "RollbackConfig", "fraction", self.fraction, "in (0, 1]")
         check(self.window_steps >= 1, "RollbackConfig", "window_steps", self.window_steps, ">= 1 drafting step")
+        check(0 <= self.previous_margin <= 1, "RollbackConfig", "previous_margin", self.previous_margin, "in [0, 1]")
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,10 @@ again on all of them. The `patience`-th in a row (a plateau) ends the regime: RE
 stops, and the gate re-learns its baseline from the next `n_init` requests, so the draft now
 serving is what a later shift is measured against.
 
+A failed cycle (the trainer died or gave up) keeps the regime collecting and retries after
+`n_threshold` more rows, twice as many after each further failure in a row (at most MAX_BACKOFF
+times as many): a trainer that fails at once on every cycle does not spin.
+
 States: IDLE -(shift)-> COLLECTING -(n_threshold stored)-> TRAINING -(better)-> COLLECTING -> TRAINING
 ... -(no gain, patience left)-> COLLECTING ... -(plateau)-> IDLE. Collection stays on while
 TRAINING; `collecting` says whether to capture.
@@ -32,6 +36,8 @@ from enum import Enum
 
 from tide.config import CollectConfig
 from tide.control.decision import Decision
+
+MAX_BACKOFF = 16  # after failed cycles in a row, at most this many n_threshold of new rows before a retry
 
 
 class CollectState(str, Enum):
@@ -59,6 +65,8 @@ class CollectionGate:
         self.stored_tokens = 0  # since collection started (since the last HOLD)
         self.misses = 0  # cycles in a row without min_gain
         self.shifted = ""  # a shift seen while a cycle trained: why (a new regime after its answer)
+        self.failures = 0  # failed cycles in a row
+        self.retry_at = 0  # stored_tokens before the next TRAIN after a failure
         self._rebaseline()
 
     @property
@@ -110,7 +118,12 @@ class CollectionGate:
         """A regime from now: the rows stored from here on, none from before (a shift during a
         regime starts a new one, so its cycles learn the new workload only)."""
         self.state, self.stored_tokens, self.misses, self.shifted = CollectState.COLLECTING, 0, 0, ""
+        self.retry_at = self.backoff() if self.failures else 0
         return Decision(CollectAction.COLLECT, why)
+
+    def backoff(self) -> int:
+        """Rows to collect before retrying after `failures` failed cycles in a row."""
+        return self.cfg.n_threshold * min(2 ** max(self.failures - 1, 0), MAX_BACKOFF)
 
     def collect_now(self, why: str) -> Decision[CollectAction]:
         """COLLECT without a detected shift, e.g. at start-up with an untrained draft: its AL ~1.0 is
@@ -128,8 +141,9 @@ class CollectionGate:
         if self.state is CollectState.IDLE:
             return Decision(CollectAction.WAIT, f"{tokens} tokens stored while idle: not counted")
         self.stored_tokens += tokens
-        progress = f"{self.stored_tokens}/{self.cfg.n_threshold} tokens stored since collection started"
-        if self.state is CollectState.TRAINING or self.stored_tokens < self.cfg.n_threshold:
+        need = max(self.cfg.n_threshold, self.retry_at)
+        progress = f"{self.stored_tokens}/{need} tokens stored since collection started"
+        if self.state is CollectState.TRAINING or self.stored_tokens < need:
             return Decision(CollectAction.WAIT, f"{self.state.value}: {progress}")
         self.state = CollectState.TRAINING
         return Decision(CollectAction.TRAIN, progress)
@@ -141,6 +155,7 @@ class CollectionGate:
         if self.state is not CollectState.TRAINING:
             return Decision(CollectAction.WAIT, f"result for v{version} ignored: {self.state.value}, not training",
                             version)
+        self.failures, self.retry_at = 0, 0
         figures = f"eval AL {new_al:.2f} {{}} live draft {live_al:.2f} + {self.cfg.min_gain:g} on the same data"
         if new_al > live_al + self.cfg.min_gain:
             self.state, self.misses = CollectState.COLLECTING, 0
@@ -169,8 +184,10 @@ class CollectionGate:
                                              f"{self.stored_tokens} rows and whatever arrived since")
 
     def on_training_failed(self, why: str) -> Decision[CollectAction]:
-        """The trainer died or gave up: keep collecting; the next stored chunk asks for TRAIN again."""
+        """The trainer died or gave up: keep collecting; TRAIN again after `backoff()` more rows."""
         if self.state is not CollectState.TRAINING:
             return Decision(CollectAction.WAIT, f"training failure ignored ({why}): {self.state.value}")
-        self.state = CollectState.COLLECTING
-        return Decision(CollectAction.WAIT, f"training failed ({why}): still collecting, will retry")
+        self.state, self.failures = CollectState.COLLECTING, self.failures + 1
+        self.retry_at = self.stored_tokens + self.backoff()
+        return Decision(CollectAction.WAIT, f"training failed ({why}; {self.failures} in a row): still collecting, "
+                                            f"will retry after {self.backoff()} more rows")

@@ -6,8 +6,10 @@ where it collapses acceptance to about 0. After the swap the gate watches the ne
 drafting steps and either CONFIRMs the draft or ROLLs BACK to the previous one.
 
 It compares the first draft position's acceptance, live against held-out: `live < fraction *
-held_out`. That rate is what a dead draft loses first, and it does not depend on how many tokens
-the speculation gate lets each step draft (a mean acceptance length would drop when k does).
+held_out`, and against the draft it replaced, live just before the swap on the same traffic: `live
+< previous_live - previous_margin`. That rate is what a dead draft loses first, and it does not
+depend on how many tokens the speculation gate lets each step draft (a mean acceptance length
+would drop when k does).
 """
 
 from __future__ import annotations
@@ -33,16 +35,17 @@ class RollbackGate:
         self.version: int | None = None
         self.previous: int | None = None
         self.held_out = 0.0
+        self.previous_live: float | None = None
         self.live = PositionRates(gamma)
 
     @property
     def watching(self) -> bool:
         return self.version is not None
 
-    def watch(self, version: int, held_out: float, previous: int | None) -> None:
+    def watch(self, version: int, held_out: float, previous: int | None, previous_live: float | None = None) -> None:
         """Start watching draft `version` (first-draft acceptance `held_out` on its held-out walk), just
-        swapped in over `previous`."""
-        self.version, self.previous, self.held_out = version, previous, held_out
+        swapped in over `previous` (live first-draft acceptance `previous_live`, None if unknown)."""
+        self.version, self.previous, self.held_out, self.previous_live = version, previous, held_out, previous_live
         self.live = PositionRates(self.gamma)
 
     def decide(self, new_steps: PositionRates) -> Decision[RollbackAction]:
@@ -58,8 +61,11 @@ class RollbackGate:
         if n < need:
             return Decision(RollbackAction.WAIT, f"v{self.version}: {n}/{need} steps since the swap", self.version)
         live, bar = self.live.rates()[0], self.cfg.fraction * self.held_out
-        figures = (f"live first-draft acceptance {live:.2f} {{}} {bar:.2f} = {self.cfg.fraction:.2f} x held-out "
-                   f"{self.held_out:.2f} over {n} steps")
+        why = f"{self.cfg.fraction:.2f} x held-out {self.held_out:.2f}"
+        if self.previous_live is not None and self.previous_live - self.cfg.previous_margin > bar:
+            bar = self.previous_live - self.cfg.previous_margin
+            why = f"v{self.previous}'s live {self.previous_live:.2f} - {self.cfg.previous_margin:g}"
+        figures = f"live first-draft acceptance {live:.2f} {{}} {bar:.2f} = {why} over {n} steps"
         version, previous = self.version, self.previous
         self.version = self.previous = None  # judged: stop watching
         if live >= bar:

@@ -257,9 +257,7 @@ class Coordinator:
             while len(self._live) > 1 and sum(r.steps for r in self._live) - self._live[0].steps \
                     >= self.cfg.control.speculation.min_steps:
                 self._live.popleft()
-        live = PositionRates(self.engine.gamma)
-        for r in self._live:
-            live.merge(r)
+        live = self._live_rates()
         d = self.gate.decide(SpeculationObservation(self._steps, self.now(), max(w.mean_batch, 1.0), live,
                                                     self._estimate))
         if d.action is not SpecAction.STAY:
@@ -271,6 +269,13 @@ class Coordinator:
             self.record(kind, d.reason, self.engine.version, lengths=list(self.gate.lengths))
         if self.gate.length(w.mean_batch) == 0:
             self._keep_learning()
+
+    def _live_rates(self) -> PositionRates:
+        """The live draft's per-position acceptance over the recent windows the gates keep."""
+        live = PositionRates(self.engine.gamma)
+        for r in self._live:
+            live.merge(r)
+        return live
 
     def _speculation_off(self) -> None:
         if self.gate is not None:
@@ -298,13 +303,14 @@ class Coordinator:
         self.record("train", reason, data_cycle=self.cycles_asked)
 
     def _deploy(self, version: int, reason: str) -> None:
-        previous = self.engine.version
+        previous, before = self.engine.version, self._live_rates()
         if not self._swap(version):
             return
         self.record("deploy", reason, version)
         self._estimate = self.held_out.get(version)
         if self.policy == "adaptive" and self._estimate is not None:
-            self.rollback.watch(version, self._estimate.rates()[0], previous)
+            enough = before.steps >= self.cfg.control.rollback.window_steps
+            self.rollback.watch(version, self._estimate.rates()[0], previous, before.rates()[0] if enough else None)
         self.engine.set_capture(self.collect.collecting)
 
     def _swap(self, version: int) -> bool:
