@@ -17,7 +17,7 @@ import pytest
 from tide.config import TideConfig, load_config
 from tide.control import LatencyModel
 from tide.runtime.coordinator import Coordinator
-from tide.runtime.messages import DraftReady, Message, Train, TrainFailed, TrainProgress
+from tide.runtime.messages import DraftReady, Heartbeat, Message, Shutdown, Train, TrainFailed, TrainProgress
 from tide.serve.engine import Window
 from tide.store import ChunkMeta, ChunkReader, ChunkWriter, Run
 
@@ -166,6 +166,32 @@ def test_a_draft_is_swapped_from_the_run_drafts_dir_whatever_path_the_message_na
     transport.inbox.append((1, dataclasses.replace(ready(1, 1, 1.5, 1.0), path="/etc/../tmp/evil")))
     coord.between_steps(engine, 1.0)
     assert engine.paths == [f"{tmp_path}/drafts/v1"]
+    engine.writer.close()
+
+
+def test_the_coordinator_beats_and_a_trainer_silent_at_shutdown_is_reported_down(tmp_path: Path) -> None:
+    """Heartbeats go both ways; a trainer that died shortly before the end (within trainer_timeout_s,
+    so no window noticed) makes the run 'degraded', not 'ok'."""
+    engine, transport = FakeEngine(tmp_path), ListTransport()
+    cfg = config("adaptive")
+    cfg = dataclasses.replace(cfg, runtime=dataclasses.replace(cfg.runtime, heartbeat_s=0.1))
+    coord = Coordinator(cfg, engine, transport, trainer_ranks=[1], drafts_root=str(tmp_path))
+    coord.start()
+    transport.inbox.append((1, Heartbeat("trainer", 1, 0.0)))
+    coord.between_steps(engine, 1.0)
+    assert [m.role for _, m in transport.sent if isinstance(m, Heartbeat)] == ["coordinator"]
+    coord.trainer_seen -= 1.0  # last heard a second ago: 10 beats missed
+    coord.shutdown("workload done")
+    last = coord.events[-1]
+    assert last.kind == "trainer-down" and "no heartbeat at shutdown" in last.reason
+    assert isinstance(transport.sent[-1][1], Shutdown)
+
+    alive = Coordinator(cfg, engine, transport, trainer_ranks=[1], drafts_root=str(tmp_path))
+    alive.start()
+    alive.trainer_alive, alive.trainer_seen = True, time.time() - 1.0
+    transport.inbox.append((1, Heartbeat("trainer", 1, 0.0)))  # it answers within two beats
+    alive.shutdown("workload done")
+    assert "trainer-down" not in [e.kind for e in alive.events]
     engine.writer.close()
 
 

@@ -180,6 +180,23 @@ def test_a_full_disk_pauses_capture_while_serving_goes_on(mount: Callable[..., P
     assert "chunk writer: capture resumed" in caplog.text
 
 
+def test_a_trainer_whose_coordinator_falls_silent_exits(tmp_path: Path) -> None:
+    """Heartbeats both ways: the trainer process (`python -m tide.runtime --fd`, as started locally)
+    hears the coordinator once, then nothing for trainer_timeout_s: it exits 1 instead of waiting for
+    ever (under mpirun nothing else would end it)."""
+    from tide.runtime.processes import local_trainer
+
+    config = ci_config(tmp_path / "ci.yaml", runtime={"heartbeat_s": 0.5, "trainer_timeout_s": 5.0})
+    out = tmp_path / "out"
+    with local_trainer(config, out, "") as transport:
+        t0 = time.monotonic()
+        while not any(isinstance(m, Heartbeat) for _, m in transport.poll(timeout=1.0)):
+            assert time.monotonic() - t0 < 300, (out / "trainer.log").read_text()[-2000:]
+        transport.send(1, Heartbeat("coordinator", 0, time.time()))
+        line = wait_for_line(out / "trainer.log", "nothing from the coordinator for 5 s", 120)
+    assert "exiting" in line
+
+
 # ---- signals ----------------------------------------------------------------------------------------
 
 

@@ -344,7 +344,7 @@ class RuntimeConfig:
     """How the roles run and talk."""
 
     window_s: float = 10.0  # reporting window of the serving loop
-    heartbeat_s: float = 5.0  # trainer -> coordinator
+    heartbeat_s: float = 5.0  # trainer -> coordinator and back
     trainer_timeout_s: float = 60.0  # no heartbeat for this long: the trainer is down, serving goes on
     trainer_start_timeout_s: float = 600.0  # serving starts once the trainer is up, or after this
     # Local runs emulate disaggregation: serving and training on disjoint cores ("" = no binding).

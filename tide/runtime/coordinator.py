@@ -74,6 +74,7 @@ class Coordinator:
         self._counted = 0  # rows stored since then, as last counted
         self._t0 = time.perf_counter()
         self._last_poll = 0.0
+        self._beat_sent = 0.0  # when the coordinator last told the trainer ranks it is alive
         self._swapped_in_window = False
         self.drafts_root = drafts_root
 
@@ -188,6 +189,10 @@ class Coordinator:
         if self.transport is None or t - self._last_poll < 0.1:
             return
         self._last_poll = t
+        if time.time() - self._beat_sent >= self.cfg.runtime.heartbeat_s:  # the trainer watches for it too
+            self._beat_sent = time.time()
+            for r in self.trainer_ranks:
+                self.transport.send(r, Heartbeat("coordinator", self.transport.rank, self._beat_sent))
         for src, msg in self.transport.poll():
             if src in self.trainer_ranks:
                 self.trainer_seen, self.trainer_alive = time.time(), True
@@ -351,5 +356,18 @@ class Coordinator:
             self._apply(self.collect.on_training_failed("trainer down"))
 
     def shutdown(self, reason: str) -> None:
+        """Tell the trainer ranks to stop, after checking that they are still alive: a trainer that
+        died in the last `trainer_timeout_s` would otherwise end the run as "ok"."""
+        if self.trainer_alive and time.time() - self.trainer_seen > 2 * self.cfg.runtime.heartbeat_s:
+            deadline = time.time() + 2 * self.cfg.runtime.heartbeat_s + 1.0
+            while time.time() < deadline and not getattr(self.transport, "closed", False):
+                if any(src in self.trainer_ranks for src, _ in self.transport.poll()):  # type: ignore[union-attr]
+                    self.trainer_seen = time.time()
+                    break
+                time.sleep(0.05)
+            else:
+                self.trainer_alive = False
+                self.record("trainer-down", f"no heartbeat at shutdown (last {time.time() - self.trainer_seen:.0f} s "
+                                            "ago): the trainer died before the end")
         for r in self.trainer_ranks:
             self.transport.send(r, Shutdown(reason))  # type: ignore[union-attr]

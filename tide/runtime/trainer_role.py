@@ -4,7 +4,9 @@ Every trainer rank receives the same `Train` and runs the cycle together (one De
 the group's rank 0 answers. A failing cycle is reported, never fatal: the coordinator keeps serving
 with the last good draft. Heartbeats, from a thread of their own, tell the coordinator the trainer
 process is alive, also through a cycle's set-up (reading the window, building the DeepSpeed
-engine), which sends nothing else for longer than the coordinator waits.
+engine), which sends nothing else for longer than the coordinator waits. The coordinator beats
+too: a trainer that hears nothing for `trainer_timeout_s` after the first word exits (under
+mpirun, a dead serving rank would otherwise leave it waiting for ever).
 """
 
 from __future__ import annotations
@@ -33,14 +35,21 @@ def run_trainer(cfg: TideConfig, run: RunLayout, transport: Transport, coordinat
                             name="tide-heartbeat", daemon=True)
     if leader:
         beat.start()
+    heard = 0.0  # when the coordinator last sent anything (it beats every heartbeat_s while it serves)
     try:
         while not getattr(transport, "closed", False):
             for _, msg in transport.poll():
+                heard = time.monotonic()
                 if isinstance(msg, Shutdown):
                     log.info("trainer: shutdown (%s)", msg.reason)
                     return
                 if isinstance(msg, Train):
                     _cycle(trainer, msg, transport, coordinator, leader)
+                    heard = time.monotonic()  # its beats queued up meanwhile
+            if heard and time.monotonic() - heard > cfg.runtime.trainer_timeout_s:
+                log.error("trainer: nothing from the coordinator for %.0f s: it is gone; exiting",
+                          cfg.runtime.trainer_timeout_s)
+                raise SystemExit(1)
             time.sleep(0.2)
     finally:
         stop.set()

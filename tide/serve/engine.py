@@ -344,8 +344,10 @@ class TideEngine(EngineControl):
                                        or nxt.arrival is None and len(self._live) < concurrency):
                 self.submit(nxt, t)
                 nxt = next(source, None)
-            if not self._live:  # idle until the next timed arrival
+            if not self._live:  # idle until the next timed arrival; the loop's hook still runs (messages, swaps)
                 time.sleep(max(0.0, min(nxt.arrival - t, 0.05)) if nxt is not None and nxt.arrival else 0)
+                if between_steps:
+                    between_steps(self, now())
                 continue
             tokens, batch, done = self.step(now)
             results += done
