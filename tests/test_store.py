@@ -276,3 +276,70 @@ def test_split_is_deterministic_and_disjoint(tmp_path):
     evals = {r.request_id for r in reader.load(split="eval", eval_fraction=0.1)}
     assert not train & evals and train | evals == set(ids[:200])
     assert evals == {i for i in ids[:200] if is_eval(i, 0.1)}
+
+
+def test_chunks_deleted_or_replaced_while_a_reader_reads_them(tmp_path):
+    """Retention or an operator deletes chunks, a writer republishes one under the same name (atomic
+    rename), all while the trainer reads: every run read is whole (one of the versions written), a
+    chunk that vanished is skipped as missing, nothing raises."""
+    paths = write_chunks(tmp_path, 6, rows=20)
+    versions = {p.name: [[make_run(f"req-{i}", 20, seed=i)], [make_run(f"req-{i}", 20, seed=100 + i)]]
+                for i, p in enumerate(paths)}
+    stop = threading.Event()
+
+    def churn() -> None:
+        rng = np.random.default_rng(0)
+        while not stop.is_set():
+            p = paths[rng.integers(len(paths))]
+            if rng.random() < 0.3:
+                p.unlink(missing_ok=True)
+            else:
+                write_chunk(p, META, versions[p.name][int(rng.integers(2))])
+
+    t = threading.Thread(target=churn)
+    t.start()
+    reader, loads, missing = ChunkReader(tmp_path, expect=META), 0, 0
+    try:
+        deadline = time.monotonic() + 3.0
+        while time.monotonic() < deadline:
+            runs = reader.load()
+            loads += 1
+            assert set(reader.skipped) <= {"missing"}, reader.skipped
+            missing += reader.skipped.get("missing", 0)
+            for r in runs:
+                i = int(r.request_id.split("-")[1])
+                assert any(np.array_equal(r.hidden, v[0].hidden) for v in versions[paths[i].name]), r.request_id
+    finally:
+        stop.set()
+        t.join()
+    assert loads > 10
+
+
+def test_a_draft_publisher_killed_at_any_moment_leaves_only_whole_drafts(tiny_target, tmp_path):
+    """SIGKILL to a process publishing drafts, at random moments: every published vN loads and
+    passes the swap's checks, and the next publish takes the next version."""
+    from tide.draft import DraftRegistry, init_draft
+    from tide.draft.io import checked_weights, weight_shapes
+
+    code = ("import itertools, sys; from pathlib import Path; from tide.draft import DraftRegistry, init_draft\n"
+            "reg = DraftRegistry(Path(sys.argv[2])); m = init_draft(Path(sys.argv[1]), (1, 2, 3), 256)\n"
+            "print('ready', flush=True)\n"
+            "for i in itertools.count(): reg.publish(m, {'i': i})\n")
+    rng = np.random.default_rng(1)
+    for _ in range(4):
+        p = subprocess.Popen([sys.executable, "-c", code, str(tiny_target.path), str(tmp_path / "drafts")],
+                             stdout=subprocess.PIPE, text=True)
+        assert p.stdout.readline().strip() == "ready"
+        time.sleep(float(rng.uniform(0.05, 0.4)))
+        p.send_signal(signal.SIGKILL)
+        p.wait()
+    reg = DraftRegistry(tmp_path / "drafts")
+    versions = reg.versions()
+    assert versions == list(range(1, len(versions) + 1)) and len(versions) >= 4
+    shapes = weight_shapes(reg.path(1))
+    for v in versions:
+        checked_weights(reg.path(v), shapes)
+        assert reg.meta(v)["version"] == v
+    head = init_draft(tiny_target.path, tiny_target.layer_ids, 256)
+    assert reg.publish(head, {}) == versions[-1] + 1
+    assert not list(reg.root.glob(".v*")), "a killed publisher's temporary dirs are cleaned up"

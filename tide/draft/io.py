@@ -172,5 +172,8 @@ class DraftRegistry:
 
     def publish(self, model: Eagle3Draft, meta: dict[str, Any]) -> int:
         version = self.latest() + 1
+        for stale in self.root.glob(".v*.tmp-*"):  # left by a publisher killed mid-write (save_draft's temp dirs)
+            if (m := re.match(r"^\.v(\d+)\.tmp-", stale.name)) and int(m.group(1)) <= version:
+                shutil.rmtree(stale, ignore_errors=True)
         save_draft(model, self.path(version), {**meta, "version": version, "published_at": time.time()})
         return version
