@@ -63,6 +63,12 @@ class JobSpec:
         limit = self.slurm.time * 60
         return self.slurm.srun_timeout_s or limit - min(300, limit // 10)
 
+    @property
+    def signal(self) -> str:
+        """`sbatch --signal`: TERM to every rank a minute before the step guard would stop srun (Slurm
+        sends it up to a minute late), so that serving drains and writes its results before the limit."""
+        return f"TERM@{max(60, self.slurm.time * 60 - self.srun_timeout_s + 60)}"
+
 
 def exports(env: Mapping[str, Any]) -> list[str]:
     return [f"export {k}={shlex.quote(str(v))}" for k, v in env.items()]
@@ -100,7 +106,7 @@ def render_hetjob_script(spec: JobSpec) -> str:
         if i:
             lines.append("#SBATCH hetjob")
         lines.append(f"# het group {i}: {roles[i]}")
-        lines += sbatch_lines({"time": time_str(s.time), **comp.sbatch_options()})
+        lines += sbatch_lines({"time": time_str(s.time), "signal": spec.signal, **comp.sbatch_options()})
     lines += ["", "export PYTHONUNBUFFERED=1", *exports(s.env), "", *STEP_GUARD.splitlines(), ""]
     groups = ", ".join(f"group {i} ${{SLURM_JOB_NODELIST_HET_GROUP_{i}}}" for i in range(len(spec.components)))
     step_dir = f"{out}/.step-${{SLURM_JOB_ID}}"

@@ -21,8 +21,12 @@ tide_step() {  # tide_step SECS DIR SRUN [OPTIONS...] -- COMMAND...
   n0=${SLURM_NTASKS_HET_GROUP_0:-$n}
   mkdir -p "$TIDE_STEP_DIR"
   # each rank in a session (process group) of its own, killed once the rank has exited: a child that
-  # outlives it (a vLLM engine or worker process whose parent was killed) would run on, unseen
-  "${srun[@]}" bash -c 'setsid "$@" & p=$!; wait $p; rc=$?; kill -KILL -- -$p 2>/dev/null
+  # outlives it (a vLLM engine or worker process whose parent was killed) would run on, unseen. TERM
+  # and USR2 (srun stopped, or Slurm's warning before the time limit) reach the rank's whole session:
+  # serving stops taking requests and writes its results
+  "${srun[@]}" bash -c 'setsid "$@" & p=$!; trap "kill -TERM -- -$p 2>/dev/null" TERM
+    trap "kill -USR2 -- -$p 2>/dev/null" USR2
+    while wait $p; rc=$?; ((rc > 128)) && kill -0 $p 2>/dev/null; do :; done; kill -KILL -- -$p 2>/dev/null
     f=$TIDE_STEP_DIR/$SLURM_PROCID; echo $rc >"$f.tmp"; mv "$f.tmp" "$f"; exit $rc' rank "$@" &
   local pid=$!
   while

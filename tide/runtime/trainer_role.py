@@ -12,6 +12,7 @@ mpirun, a dead serving rank would otherwise leave it waiting for ever).
 from __future__ import annotations
 
 import logging
+import signal
 import threading
 import time
 
@@ -35,6 +36,11 @@ def run_trainer(cfg: TideConfig, run: RunLayout, transport: Transport, coordinat
                             name="tide-heartbeat", daemon=True)
     if leader:
         beat.start()
+    if threading.current_thread() is threading.main_thread():  # a job's TERM (or submitit's USR2) reaches every rank
+        for sig in (signal.SIGTERM, signal.SIGUSR2):
+            signal.signal(sig, lambda signum, _: log.warning(
+                "trainer: %s: going on until the coordinator says Shutdown (or falls silent)",
+                signal.Signals(signum).name))
     heard = 0.0  # when the coordinator last sent anything (it beats every heartbeat_s while it serves)
     try:
         while not getattr(transport, "closed", False):
