@@ -195,6 +195,33 @@ def test_the_coordinator_beats_and_a_trainer_silent_at_shutdown_is_reported_down
     engine.writer.close()
 
 
+def test_a_restarted_run_collects_from_after_the_chunks_its_newest_draft_was_trained_on(tmp_path: Path) -> None:
+    """Rows stored after the newest draft's training read (and before a stop) belong to the first
+    collection of the next start; the rows that draft already learnt do not."""
+    from tide.draft import DraftRegistry, init_draft
+    from tide.runtime.serve_role import resume_point
+    from tide.store import chunk_name
+    from tide.store.chunk import chunk_time_ns
+    from tide.store.layout import RunLayout
+
+    run = RunLayout.open(load_config(ROOT / "configs" / "ci.yaml"), tmp_path / "run")
+    reg = DraftRegistry(run.drafts)
+    head = init_draft(run.target.path, run.target.layer_ids, 256)
+    read = [chunk_name(i) for i in (5, 9, 7)]
+    newest = max(chunk_time_ns(Path(name)) for name in read)
+    assert resume_point(run, reg.publish(head, {"source_chunks": read})) == newest + 1
+    assert resume_point(run, 0) == 0  # v0 (an initial draft): collect from now
+
+    engine, transport = FakeEngine(tmp_path / "store"), ListTransport()
+    coord = Coordinator(config("always"), engine, transport, trainer_ranks=[1], drafts_root=str(tmp_path),
+                        resume_ns=12345)
+    coord.start()
+    engine.serve_chunks(3)
+    coord.on_window(window(engine))
+    assert trains(transport)[0].since_ns == 12345
+    engine.writer.close()
+
+
 def test_the_window_line_says_where_a_cycle_is(tmp_path: Path) -> None:
     engine, transport = FakeEngine(tmp_path), ListTransport()
     coord = Coordinator(config("always"), engine, transport, trainer_ranks=[1], drafts_root=str(tmp_path))

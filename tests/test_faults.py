@@ -207,7 +207,8 @@ def test_sigterm_ends_the_main_job_with_its_results_and_a_restart_resumes_from_t
     """SIGTERM to `tide.launch` mid-run (a trained draft published, the workload not done): no new
     requests, those in flight finish, the store is flushed and the trainer stopped, and summary.json,
     events.json, windows and requests are written (`stopped: SIGTERM`, no no-speculation baseline).
-    Started again on the same run dir, it serves the newest draft from its first window on."""
+    Started again on the same run dir, it serves the newest draft from its first window on (its first
+    collection starting after that draft's training read: tests/test_coordinator.py)."""
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "tide.launch", "--config", "configs/ci.yaml", "--out", str(out)]
 

@@ -50,7 +50,7 @@ class Event:
 
 class Coordinator:
     def __init__(self, cfg: TideConfig, engine: EngineControl, transport: Transport | None,
-                 trainer_ranks: list[int], drafts_root: str = "") -> None:
+                 trainer_ranks: list[int], drafts_root: str = "", resume_ns: int = 0) -> None:
         self.cfg, self.engine, self.transport = cfg, engine, transport
         self.trainer_ranks = list(trainer_ranks)
         self.policy = cfg.control.policy
@@ -71,6 +71,7 @@ class Coordinator:
         self.trainer_seen = time.time()
         self.trainer_alive = bool(trainer_ranks)
         self._since_ns = 0  # when the current collection started
+        self._resume_ns = resume_ns  # a restarted run's first collection starts here (serve_role.resume_point)
         self._counted = 0  # rows stored since then, as last counted
         self._t0 = time.perf_counter()
         self._last_poll = 0.0
@@ -88,7 +89,8 @@ class Coordinator:
 
     def _apply(self, d: Decision) -> None:
         if d.action is CollectAction.COLLECT:
-            self._since_ns, self._counted = time.time_ns(), 0  # the writer names chunks by this clock (same host)
+            # the writer names chunks by this clock (same host); a restart picks up what it had stored
+            self._since_ns, self._counted, self._resume_ns = self._resume_ns or time.time_ns(), 0, 0
             self.engine.set_capture(True)
             self.record("collect", d.reason)
         elif d.action is CollectAction.TRAIN:

@@ -28,7 +28,7 @@ from tide.config import TideConfig
 from tide.model.files import write_json, write_jsonl
 from tide.runtime.coordinator import Coordinator
 from tide.runtime.metrics import TideMetrics
-from tide.runtime.serve_role import Served, ensure_draft, summarize
+from tide.runtime.serve_role import Served, ensure_draft, resume_point, summarize
 from tide.runtime.server_options import HttpOptions
 from tide.runtime.transport import Transport
 from tide.serve.async_engine import AsyncEngine, server_args
@@ -111,7 +111,8 @@ async def _serve(cfg: TideConfig, run: RunLayout, transport: Transport | None, t
     loop = asyncio.get_running_loop()
     engine = AsyncEngine(args, loop, model, version)
     stop = asyncio.Event()
-    coord = Coordinator(cfg, engine, transport, trainer_ranks, drafts_root=str(run.drafts))
+    coord = Coordinator(cfg, engine, transport, trainer_ranks, drafts_root=str(run.drafts),
+                        resume_ns=resume_point(run, version))
     worker = _Loop(cfg, coord, engine, TideMetrics(), lambda: loop.call_soon_threadsafe(stop.set))
 
     def prepare() -> None:  # RPCs wait on this loop: run them from another thread

@@ -40,6 +40,18 @@ def ensure_draft(cfg: TideConfig, run: RunLayout) -> int:
     return reg.latest()
 
 
+def resume_point(run: RunLayout, version: int) -> int:
+    """Where a restarted run's first collection begins (time.time_ns() of chunk names): just after the
+    newest chunk draft `version` was trained on, so the rows stored after it (and before the stop)
+    are not lost to the next cycle and none is read twice. 0 (collect from now) for a draft this run
+    never trained."""
+    from tide.store.chunk import chunk_time_ns
+
+    meta = DraftRegistry(run.drafts).meta(version) if (run.drafts / f"v{version}" / "meta.json").exists() else {}
+    read = [chunk_time_ns(Path(name)) for name in meta.get("source_chunks", [])]
+    return max(read) + 1 if read else 0
+
+
 @dataclass
 class Served:
     """What one serving run did: its requests, windows and decisions, and how it ran."""
@@ -62,7 +74,8 @@ def serve(cfg: TideConfig, run: RunLayout, segments: list[Segment], transport: T
     engine = TideEngine(run.target, cfg.serve, run.drafts / f"v{version}", store_root=run.store,
                         chunk_tokens=cfg.store.chunk_tokens, retention_tokens=cfg.store.retention_tokens,
                         max_pending_chunks=cfg.store.max_pending_chunks, version=version, dtype=cfg.model.dtype)
-    coord = Coordinator(cfg, engine, transport, trainer_ranks, drafts_root=str(run.drafts))
+    coord = Coordinator(cfg, engine, transport, trainer_ranks, drafts_root=str(run.drafts),
+                        resume_ns=resume_point(run, version))
     source = RequestSource(segments, coord.events, learning=bool(trainer_ranks) and cfg.control.policy != "frozen")
     coord.wait_for_trainer(cfg.runtime.trainer_start_timeout_s)
     coord.start()
