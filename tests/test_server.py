@@ -6,6 +6,7 @@ the middle of a stream. The tiny target in float32, the embedded CI config other
 from __future__ import annotations
 
 import json
+import os
 import signal
 import socket
 import subprocess
@@ -21,6 +22,7 @@ from conftest import greedy, random_prompts
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.vllm
 MAX_TOKENS = 48
+KEY = "tide-test-key"  # the server runs with vLLM's --api-key: every /v1 call needs it
 
 
 def metric(url: str, name: str) -> float:
@@ -39,7 +41,8 @@ def server(tmp_path_factory: pytest.TempPathFactory, tiny_target):
         port = s.getsockname()[1]
     out, log = work / "run", open(work / "server.log", "wb")
     proc = subprocess.Popen([sys.executable, "-m", "tide.launch", "--config", str(config), "--out", str(out),
-                             "--serve", "--port", str(port), "--grace", "30"], cwd=ROOT, stdout=log,
+                             "--serve", "--port", str(port), "--grace", "30", f"--vllm-arg=--api-key={KEY}"],
+                            cwd=ROOT, stdout=log,
                             stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
     deadline = time.time() + 300
@@ -57,11 +60,22 @@ def server(tmp_path_factory: pytest.TempPathFactory, tiny_target):
     log.close()
 
 
+def test_without_the_api_key_the_v1_routes_refuse(server) -> None:
+    """Security: the one port TIDE opens takes vLLM's --api-key; /health and /metrics stay open."""
+    import openai
+
+    _, base, _ = server
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{base}/v1", api_key="wrong", max_retries=0).models.list()
+    assert openai.OpenAI(base_url=f"{base}/v1", api_key=KEY).models.list().data
+    assert urllib.request.urlopen(f"{base}/health", timeout=5).status == 200
+
+
 def test_greedy_output_is_the_targets_across_a_hot_swap_with_streams_open(server, tiny_target) -> None:
     import openai
 
     proc, base, out = server
-    client = openai.OpenAI(base_url=f"{base}/v1", api_key="none")
+    client = openai.OpenAI(base_url=f"{base}/v1", api_key=KEY)
     model = client.models.list().data[0].id
     prompts = random_prompts(24, tiny_target.config["vocab_size"], seed=3)
     ref = greedy(tiny_target.path, prompts, MAX_TOKENS)
@@ -118,7 +132,7 @@ def test_the_replay_as_a_client_records_the_server_as_a_mode(server, tmp_path: P
                                                                                              "num_prompts: 6"))
     p = subprocess.run([sys.executable, "-m", "workflows.replay", "--config", str(exp), "--out", str(tmp_path / "o"),
                         "--endpoint", f"tide-server={base}/v1"], cwd=ROOT, capture_output=True, text=True,
-                       timeout=600)
+                       timeout=600, env={**os.environ, "VLLM_API_KEY": KEY})
     assert p.returncode == 0, p.stderr[-3000:]
     s = json.loads((tmp_path / "o" / "summary.json").read_text())["modes"]["tide-server"]
     assert s["overall"]["requests"] == 12 and s["overall"]["tokens"] > 0
@@ -130,12 +144,13 @@ def test_the_replay_as_a_client_records_the_server_as_a_mode(server, tmp_path: P
 
 def test_a_malformed_request_gets_a_4xx_and_serving_goes_on(server) -> None:
     _, base, _ = server
+    headers = {"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"}
     bad = urllib.request.Request(f"{base}/v1/completions", data=b'{"prompt": "x", "max_tokens": -3}',
-                                 headers={"Content-Type": "application/json"})
+                                 headers=headers)
     with pytest.raises(urllib.error.HTTPError) as e:
         urllib.request.urlopen(bad, timeout=30)
-    assert 400 <= e.value.code < 500
-    good = urllib.request.Request(f"{base}/v1/completions", headers={"Content-Type": "application/json"},
+    assert 400 <= e.value.code < 500 and e.value.code != 401
+    good = urllib.request.Request(f"{base}/v1/completions", headers=headers,
                                   data=json.dumps({"prompt": "def f(x):", "max_tokens": 8, "temperature": 0}).encode())
     assert json.loads(urllib.request.urlopen(good, timeout=60).read())["choices"][0]["text"]
 
@@ -146,7 +161,7 @@ def test_sigterm_during_a_stream_ends_it_cleanly_and_keeps_every_row(server, tin
     from tide.store import ChunkReader
 
     proc, base, out = server
-    client = openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0)
+    client = openai.OpenAI(base_url=f"{base}/v1", api_key=KEY, max_retries=0)
     stream = client.completions.create(model=client.models.list().data[0].id, prompt=[5, 6, 7, 8, 9] * 4,
                                        max_tokens=400, temperature=0, stream=True,
                                        extra_body={"vllm_xargs": {"tide_workload": "sigterm"}})
