@@ -316,7 +316,8 @@ class Coordinator:
         self.record("deploy", reason, version)
         self._estimate = self.held_out.get(version)
         if self.policy == "adaptive" and self._estimate is not None:
-            enough = before.steps >= self.cfg.control.rollback.window_steps
+            control = self.cfg.control  # the gates keep about speculation.min_steps of recent steps
+            enough = before.steps >= min(control.rollback.window_steps, control.speculation.min_steps)
             self.rollback.watch(version, self._estimate.rates()[0], previous, before.rates()[0] if enough else None)
         self.engine.set_capture(self.collect.collecting)
 
