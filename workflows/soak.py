@@ -63,8 +63,15 @@ def children(server: int) -> dict[str, int]:
     """The server's children by role: vLLM's engine core process and the trainer process."""
     found: dict[str, int] = {}
     for task in Path(f"/proc/{server}/task").iterdir():
-        for child in (task / "children").read_text().split():
-            cmd = Path(f"/proc/{child}/cmdline").read_bytes()
+        try:
+            kids = (task / "children").read_text().split()
+        except OSError:  # a thread that just ended
+            continue
+        for child in kids:
+            try:
+                cmd = Path(f"/proc/{child}/cmdline").read_bytes()
+            except OSError:  # a short-lived child, gone already
+                continue
             found.update({role: int(child) for role, mark in ROLES.items() if mark in cmd})
     return found
 
