@@ -47,6 +47,20 @@ def test_training_raises_acceptance_and_resumes(tiny_target, store, tmp_path):
     assert abs(r2.al_before - r1.al_after) < 0.05  # it resumed from v1, not from scratch
 
 
+def test_a_long_lived_trainer_keeps_no_cycle_behind(tiny_target, store, tmp_path):
+    """Every cycle's DeepSpeed engine (the draft, its optimizer state) is released: the soak found a
+    trainer process that kept them all and grew by ~300 MB a SmolLM2 cycle until the OOM killer came."""
+    import gc
+
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    trainer = make_trainer(tiny_target, store, tmp_path / "drafts", steps=5)
+    for _ in range(3):
+        assert trainer.cycle() is not None
+    gc.collect()
+    assert sum(isinstance(o, DeepSpeedEngine) for o in gc.get_objects()) == 0
+
+
 def test_no_data_is_not_an_error(tiny_target, tmp_path):
     assert make_trainer(tiny_target, tmp_path / "empty", tmp_path / "drafts", steps=5).cycle() is None
 

@@ -211,30 +211,33 @@ class DraftTrainer:
             opt, lambda s: min(1.0, (s + 1) / warm) * max(0.05, 0.5 * (1 + math.cos(math.pi * min(s, total) / total))))
         engine, _, _, _ = deepspeed.initialize(model=objective, optimizer=opt, lr_scheduler=sched,
                                                config=deepspeed_config(cfg, self.bf16))
-        tokens, loss_v, t_train = 0, float("nan"), time.time()
-        best = _Best(before.acceptance_length, cfg.patience)
-        bar = _progress(total, self.rank == 0)
-        for step in range(total):
-            b = mine[step % len(mine)].to(device)
-            loss, accs = engine(b)
-            engine.backward(loss)
-            engine.step()
-            tokens += b.num_tokens
-            loss_v = loss.item()
-            rate = tokens / max(time.time() - t_train, 1e-9)
-            bar.set_postfix(loss=f"{loss_v:.3f}", acc0=f"{accs[0]:.2f}", tok_s=f"{rate:.0f}", refresh=False)
-            bar.update()
-            report("train", step + 1, total, loss_v, rate)
-            if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < total:  # every rank: same data
-                al = self._evaluate(engine.module.draft, eval_batches, device).acceptance_length
-                log.info("trainer: step %d held-out AL %.3f (best %.3f)", step + 1, al, best.al)
-                if best.stop(al, engine.module.draft):
-                    log.info("trainer: no gain in %d evaluations: stopping at step %d", cfg.patience, step + 1)
-                    total = step + 1
-                    break
-        bar.close()
-        train_s = time.time() - t_train
-        trained = engine.module.draft
+        try:  # without destroy() DeepSpeed keeps every cycle's engine (draft and optimizer state) alive
+            tokens, loss_v, t_train = 0, float("nan"), time.time()
+            best = _Best(before.acceptance_length, cfg.patience)
+            bar = _progress(total, self.rank == 0)
+            for step in range(total):
+                b = mine[step % len(mine)].to(device)
+                loss, accs = engine(b)
+                engine.backward(loss)
+                engine.step()
+                tokens += b.num_tokens
+                loss_v = loss.item()
+                rate = tokens / max(time.time() - t_train, 1e-9)
+                bar.set_postfix(loss=f"{loss_v:.3f}", acc0=f"{accs[0]:.2f}", tok_s=f"{rate:.0f}", refresh=False)
+                bar.update()
+                report("train", step + 1, total, loss_v, rate)
+                if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < total:  # every rank: same data
+                    al = self._evaluate(engine.module.draft, eval_batches, device).acceptance_length
+                    log.info("trainer: step %d held-out AL %.3f (best %.3f)", step + 1, al, best.al)
+                    if best.stop(al, engine.module.draft):
+                        log.info("trainer: no gain in %d evaluations: stopping at step %d", cfg.patience, step + 1)
+                        total = step + 1
+                        break
+            bar.close()
+            train_s = time.time() - t_train
+            trained = engine.module.draft
+        finally:
+            engine.destroy()
         best.restore(trained, self._evaluate(trained, eval_batches, device).acceptance_length if best.saved else 0.0)
         trained.float()
         result = CycleResult(version=0, al_before=before.acceptance_length, al_after=0.0,
