@@ -41,17 +41,19 @@ from tide.model.files import write_json
 
 log = logging.getLogger("workflows.soak")
 RSS_GROWTH_MAX = 0.05  # after warm-up; and no fd or thread growth at all
-CYCLE_END = ("deploy", "hold", "reject", "train-failed")  # events.json kinds that answer a `train`
+CYCLE_END = ("trained", "train-failed", "trainer-down")  # events.json kinds that answer a `train`
 
 
 def proc(pid: int) -> dict[str, float] | None:
-    """RSS (MiB), open fds and threads of `pid`, or None once it has gone."""
+    """RSS (MiB), open fds and threads of `pid`, or None once it has gone (or is a zombie: no VmRSS)."""
     try:
         status = Path(f"/proc/{pid}/status").read_text()
         fds = len(os.listdir(f"/proc/{pid}/fd"))
-    except (FileNotFoundError, ProcessLookupError):
+    except OSError:
         return None
     fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
+    if "VmRSS" not in fields:
+        return None
     return {"rss_mib": int(fields["VmRSS"].split()[0]) / 1024, "fds": fds, "threads": int(fields["Threads"])}
 
 
@@ -108,14 +110,13 @@ class Sampler(threading.Thread):
 
         pids: dict[str, int] = {}
         while not self.halt.wait(self.every):
-            if len(pids) < len(ROLES):
-                pids = children(self.server)
-            s: dict[str, Any] = {"t": round(time.monotonic() - self.t0, 1), "serving": proc(self.server),
-                                 **{role: proc(pid) for role, pid in pids.items()}}
-            try:
+            s: dict[str, Any] = {"t": round(time.monotonic() - self.t0, 1)}
+            try:  # a sample lost is logged; the soak, and the sampling, go on
+                pids = pids if len(pids) == len(ROLES) else children(self.server)
+                s.update(serving=proc(self.server), **{role: proc(pid) for role, pid in pids.items()})
                 s["store_tokens"] = ChunkReader(self.store).total_tokens() if self.store.is_dir() else 0
                 s.update(scrape(self.metrics_url))
-            except Exception as e:  # a sample lost is logged, the soak goes on
+            except Exception as e:
                 log.warning("soak: sample at %.0f s incomplete: %s", s["t"], e)
             self.samples.append(s)
 
