@@ -20,6 +20,7 @@ tide_step() {  # tide_step SECS DIR SRUN [OPTIONS...] -- COMMAND...
   ((n)) || n=${SLURM_NTASKS:-1}
   n0=${SLURM_NTASKS_HET_GROUP_0:-$n}
   mkdir -p "$TIDE_STEP_DIR"
+  rm -f "$TIDE_STEP_DIR"/*  # a requeued job runs again under the same id: the last run's exit codes do not count
   # each rank in a session (process group) of its own, killed once the rank has exited: a child that
   # outlives it (a vLLM engine or worker process whose parent was killed) would run on, unseen. TERM
   # and USR2 (srun stopped, or Slurm's warning before the time limit) reach the rank's whole session:
