@@ -8,8 +8,9 @@
 # MPI_COMM_WORLD (component 0's ranks first). Edit the #SBATCH lines for your site; options given to
 # sbatch override them per component: `sbatch [opts of 0] : [opts of 1] slurm/tide_hetjob.sh CONFIG`.
 # The batch log goes to tide-<jobid>.out/.err in the submit directory, every line labelled by rank.
-# --signal: every rank gets TERM 6 minutes before the time limit (Slurm may be up to a minute late),
-# well ahead of the step guard's own stop (a minute before the limit): serving drains and writes its results.
+# Near the time limit the step guard stops srun (TIDE_SRUN_TIMEOUT, from the time actually left, so
+# it follows an --time given to sbatch); srun passes the TERM to every rank: serving drains and writes
+# its results. (Scripts rendered from a config also ask Slurm for --signal, sized from its time.)
 #
 # Environment (read at run time; sbatch passes the submitting shell's environment on):
 #   TIDE_PYTHON        python on the compute nodes (default: ./.venv/bin/python, else python3)
@@ -25,7 +26,6 @@
 #SBATCH --error=tide-%j.err
 # ---- component 0 (het group 0): serving, H100 nodes, one rank (one vLLM engine) on one GPU
 #SBATCH --time=02:00:00
-#SBATCH --signal=TERM@360
 #SBATCH --partition=h100
 #SBATCH --nodes=1
 #SBATCH --ntasks-per-node=1
@@ -34,7 +34,6 @@
 #SBATCH hetjob
 # ---- component 1 (het group 1): draft training, MI250 nodes, one rank per GPU
 #SBATCH --time=02:00:00
-#SBATCH --signal=TERM@360
 #SBATCH --partition=mi250
 #SBATCH --nodes=1
 #SBATCH --ntasks-per-node=4

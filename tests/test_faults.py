@@ -305,14 +305,14 @@ def test_an_inference_rank_dying_ends_the_job_without_partial_chunks(cluster: di
 @pytest.mark.slurm
 @pytest.mark.timeout(400)
 def test_a_job_near_its_time_limit_drains_and_writes_its_results(cluster: dict[str, str], tmp_path: Path) -> None:
-    """A 4-minute job whose workload would run on for 15: the script's `--signal=TERM@84` reaches
-    every rank (84 = 4 min - the step guard's 216 s + 60 s) a minute or more before the limit.
+    """A 4-minute job whose workload would run on for 15: the script's `--signal=TERM@60` (a quarter
+    of the limit; the step guard would stop srun at 216 s) reaches every rank before the limit.
     Serving takes no new requests, finishes those in flight and writes its summary; the trainer keeps
     running until the coordinator's Shutdown. The job completes before Slurm's limit would kill it."""
     until = {"trained_requests": 1_000_000, "max_s": 900}
     job, _, out = submit_run(tmp_path, slurm={"time": 4, "srun_timeout_s": 0},
                              workload={"nospec_baseline": False, "until": until})
-    assert "#SBATCH --signal=TERM@84" in (out / "tide_hetjob.sbatch").read_text()
+    assert "#SBATCH --signal=TERM@60" in (out / "tide_hetjob.sbatch").read_text()
     result = submit.wait(job, 330)
     assert result.state == "COMPLETED" and result.elapsed_s < 240, result
     s, reqs = run_results(out)

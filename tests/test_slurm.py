@@ -96,13 +96,15 @@ def sbatch_options(text: str) -> list[list[str]]:
     for line in text.splitlines():
         if line == "#SBATCH hetjob":
             comps.append([])
-        elif line.startswith("#SBATCH --") and not re.match(r"#SBATCH --(job-name|output|error)=", line):
+        elif line.startswith("#SBATCH --") and not re.match(r"#SBATCH --(job-name|output|error|signal)=", line):
             comps[-1].append(line)
     return [sorted(c) for c in comps]
 
 
 def test_standalone_script_asks_for_the_default_config() -> None:
-    """slurm/tide_hetjob.sh's #SBATCH lines (which users edit) start equal to SlurmConfig's defaults."""
+    """slurm/tide_hetjob.sh's #SBATCH lines (which users edit) start equal to SlurmConfig's defaults
+    (but --signal: a rendered script sizes it from its time; the standalone one's guard reads the time
+    left instead, which follows an --time given to sbatch)."""
     assert sbatch_options(STANDALONE.read_text()) == sbatch_options(script.render_hetjob_script(expected_spec()))
 
 

@@ -66,8 +66,11 @@ class JobSpec:
     @property
     def signal(self) -> str:
         """`sbatch --signal`: TERM to every rank a minute before the step guard would stop srun (Slurm
-        sends it up to a minute late), so that serving drains and writes its results before the limit."""
-        return f"TERM@{max(60, self.slurm.time * 60 - self.srun_timeout_s + 60)}"
+        sends it up to a minute late), so that serving drains and writes its results before the limit;
+        at most a quarter of the limit (as submitit sizes its own), so a short job is not signalled at
+        its start."""
+        limit = self.slurm.time * 60
+        return f"TERM@{min(limit // 4, limit - self.srun_timeout_s + 60)}"
 
 
 def exports(env: Mapping[str, Any]) -> list[str]:
