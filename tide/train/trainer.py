@@ -8,7 +8,9 @@ and takes its share of the batches; rank 0 evaluates and publishes.
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
+import gc
 import itertools
 import logging
 import math
@@ -36,6 +38,17 @@ if TYPE_CHECKING:
     from tide.store.layout import RunLayout
 
 log = logging.getLogger(__name__)
+
+
+def release_memory() -> None:
+    """Free what a cycle left: its tensors sit in reference cycles (DeepSpeed's engine, autograd) until
+    a full collection, and glibc keeps freed heap pages. The soak's trainer grew 2.3 -> 4.1 GiB over 8
+    SmolLM2 cycles on the same rows without this, and stayed at 1.10-1.13 GiB over 10 with it."""
+    gc.collect()
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc (musl, macOS): nothing to trim
+        pass
 
 
 class _Objective(nn.Module):
@@ -172,7 +185,15 @@ class DraftTrainer:
         """One training cycle from draft `base` (see `current_draft`) over the newest `window_tokens`
         stored tokens written from `since_ns` on (only runs of `workloads`, when given; of the training
         split only the first `train_rows` rows, when given: a data-efficiency curve on one held-out
-        split). None if there is no data."""
+        split). None if there is no data. The cycle's memory goes back to the system before it returns."""
+        try:
+            return self._cycle(window_tokens, since_ns, base, on_progress, workloads, train_rows)
+        finally:
+            release_memory()
+
+    def _cycle(self, window_tokens: int | None, since_ns: int, base: int | None,
+               on_progress: Callable[[dict[str, Any]], None] | None, workloads: tuple[str, ...],
+               train_rows: int) -> CycleResult | None:
         import deepspeed
         from deepspeed.accelerator import get_accelerator
 
