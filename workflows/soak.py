@@ -12,8 +12,9 @@ training cycles and swaps recur. Every `--sample-s` it records
 
 Then it sends SIGTERM, waits for the server's summary.json and events.json, checks the targets (RSS
 growth after warm-up <= 5%, no fd or thread growth, the store within retention + one chunk, every
-training cycle decided in events.json, the summary written) and writes OUT/soak.json and
-OUT/soak.png. The server's own run dir is OUT/server (server.log, trainer.log, store/, drafts/).
+training cycle decided in events.json, the summary written) and writes OUT/soak.json and OUT/soak.png.
+Warm-up ends once the store holds its retention; RSS growth compares the peaks of the first and the
+last ten minutes after it. The server's own run dir is OUT/server (server.log, trainer.log, store/, drafts/).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from tide.model.files import write_json
 
 log = logging.getLogger("workflows.soak")
 RSS_GROWTH_MAX = 0.05  # after warm-up; and no fd or thread growth at all
+PEAK_SPAN_S = 600.0  # growth compares the peak of the first and of the last ten minutes after warm-up
 CYCLE_END = ("trained", "train-failed", "trainer-down")  # events.json kinds that answer a `train`
 
 
@@ -121,19 +123,30 @@ class Sampler(threading.Thread):
             self.samples.append(s)
 
 
+def warmup_end(samples: list[dict[str, Any]], warmup_s: float, retention: int, chunk: int) -> float:
+    """When growth starts to count: after `warmup_s` and once the store first holds its retention (less
+    one chunk). Until then the trainer's working set grows by design: a cycle reads every stored row."""
+    full = next((s["t"] for s in samples if s.get("store_tokens", 0) >= retention - chunk), samples[-1]["t"])
+    return max(warmup_s, full)
+
+
 def growth(samples: list[dict[str, Any]], role: str, key: str, after_s: float) -> dict[str, float]:
-    """`key` of `role` right after warm-up, at its highest after warm-up, at the end, and the growth."""
-    xs = [s[role][key] for s in samples if s["t"] >= after_s and s.get(role)]
-    if not xs:
+    """`key` of `role` after warm-up: its peak in the first and in the last PEAK_SPAN_S (a training
+    cycle's peak against a cycle's peak, not whichever moment a sample fell on), its highest, and the
+    growth from the first peak to the last."""
+    got = [(s["t"], s[role][key]) for s in samples if s["t"] >= after_s and s.get(role)]
+    if not got:
         return {}
-    first = xs[0]
-    return {"after_warmup": first, "max": max(xs), "end": xs[-1],
-            "growth": (xs[-1] - first) / first if key == "rss_mib" else xs[-1] - first}
+    span = min(PEAK_SPAN_S, (got[-1][0] - got[0][0]) / 3)
+    first = max(x for t, x in got if t <= got[0][0] + span)
+    last = max(x for t, x in got if t >= got[-1][0] - span)
+    return {"after_warmup": first, "max": max(x for _, x in got), "end": last,
+            "growth": (last - first) / first if key == "rss_mib" else last - first}
 
 
 def judge(samples: list[dict[str, Any]], events: list[dict[str, Any]], summary: bool, warmup_s: float,
           bound: int) -> dict[str, Any]:
-    """The soak's targets from its samples and the server's events."""
+    """The soak's targets from its samples (growth counted from `warmup_s`) and the server's events."""
     res: dict[str, Any] = {}
     for role in PROCESSES:
         for key in ("rss_mib", "fds", "threads"):
@@ -149,8 +162,8 @@ def judge(samples: list[dict[str, Any]], events: list[dict[str, Any]], summary: 
         "every_cycle_decided": decided >= trains - 1,  # the last one may be cut short by the stop
         "summary_written": summary,
     }
-    return {**res, "store_tokens_max": store_max, "store_bound": bound, "cycles_started": trains,
-            "cycles_decided": decided, "checks": checks, "passed": all(checks.values())}
+    return {**res, "warmup_s": warmup_s, "store_tokens_max": store_max, "store_bound": bound,
+            "cycles_started": trains, "cycles_decided": decided, "checks": checks, "passed": all(checks.values())}
 
 
 def plot(samples: list[dict[str, Any]], events: list[dict[str, Any]], path: Path, warmup_s: float,
@@ -256,14 +269,15 @@ def soak(args: argparse.Namespace) -> int:
     sampler.join()
     events_file, summary_file = server_dir / "events.json", server_dir / "summary.json"
     events = json.loads(events_file.read_text()) if events_file.exists() else []
+    if not sampler.samples:
+        raise RuntimeError("the soak took no sample")
     bound = cfg.store.retention_tokens + cfg.store.chunk_tokens
+    warm = warmup_end(sampler.samples, args.warmup_minutes * 60, cfg.store.retention_tokens, cfg.store.chunk_tokens)
     result = {"command": " ".join(["python -m workflows.soak", *sys.argv[1:]]), "minutes": args.minutes,
-              "rounds": k, "warmup_s": args.warmup_minutes * 60, "server_exit_code": server.returncode,
-              **judge(sampler.samples, events, summary_file.exists(), args.warmup_minutes * 60, bound),
-              "samples": sampler.samples}
+              "rounds": k, "server_exit_code": server.returncode,
+              **judge(sampler.samples, events, summary_file.exists(), warm, bound), "samples": sampler.samples}
     write_json(out / "soak.json", result)
-    if sampler.samples:
-        plot(sampler.samples, events, out / "soak.png", args.warmup_minutes * 60, bound)
+    plot(sampler.samples, events, out / "soak.png", warm, bound)
     print(json.dumps({k: result[k] for k in ("rounds", "cycles_started", "cycles_decided", "store_tokens_max",
                                              "checks", "passed")}, indent=1))
     return 0 if result["passed"] else 1
@@ -275,7 +289,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=Path("runs/soak"), help="results directory")
     p.add_argument("--minutes", type=float, default=60.0, help="how long to replay (default 60)")
     p.add_argument("--warmup-minutes", type=float, default=10.0,
-                   help="growth is measured from the first sample after this (default 10)")
+                   help="growth counts from this or from when the store first holds its retention, "
+                        "whichever is later (default 10)")
     p.add_argument("--sample-s", type=float, default=10.0, help="sampling period (default 10 s)")
     p.add_argument("--port", type=int, default=0, help="the server's port (default: a free one)")
     p.add_argument("--start-timeout", type=float, default=600.0, help="seconds for the server to come up")
