@@ -18,12 +18,16 @@
 #   TIDE_SRUN_TIMEOUT  seconds before srun is stopped (default: the job's time left minus 60 s)
 #   TIDE_STEP_GRACE    seconds srun may take to return once every rank has exited (default 10)
 #   TIDE_TRAIN_GRACE   seconds training ranks may run on once serving is done (default 60)
+#   TIDE_TRAIN_RESTARTS  times a lost training component is started again in the job (default 3)
+#   TIDE_TRAIN_RESTART_S seconds after the loss that it starts again (default 30)
 #   TIDE_CMD           replaces the whole command (a shell command line; tests run an MPI probe)
 #   TIDE_HOME          the repository (default: the submit directory, which must be its root)
 #
 #SBATCH --job-name=tide
 #SBATCH --output=tide-%j.out
 #SBATCH --error=tide-%j.err
+# a requeued run resumes from its newest draft and stored rows
+#SBATCH --requeue
 # ---- component 0 (het group 0): serving, H100 nodes, one rank (one vLLM engine) on one GPU
 #SBATCH --time=02:00:00
 #SBATCH --partition=h100
@@ -61,7 +65,9 @@ TIMEOUT=${TIDE_SRUN_TIMEOUT:-$(left_s)}  # 0 = no limit
 
 if [[ -n ${TIDE_CMD:-} ]]; then
   CMD=(bash -c "$TIDE_CMD")
+  export TIDE_TRAIN_RESTARTS=0  # a probe has no training component to start again
 else
+  export TIDE_TRAIN_RESTARTS=${TIDE_TRAIN_RESTARTS:-3}
   CMD=("$PY" -m tide.runtime --config "$CONFIG" --out "$OUT")
 fi
 mkdir -p "$OUT"

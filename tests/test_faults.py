@@ -20,11 +20,13 @@ import logging
 import os
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import msgpack
 import numpy as np
@@ -36,9 +38,11 @@ from tide.cluster.script import JobSpec, load_slurm_config
 from tide.cluster.submit import SlurmError
 from tide.config import load_config
 from tide.draft import DraftRegistry
-from tide.runtime.messages import PROTOCOL, Heartbeat
+from tide.runtime.messages import PROTOCOL, Heartbeat, Join, Shutdown
+from tide.runtime.rejoin import JoinableTransport, join
 from tide.runtime.transport import SocketTransport
-from tide.store import ChunkMeta, ChunkReader, ChunkWriter, Run
+from tide.store import ChunkMeta, ChunkReader, ChunkWriter, Run, read_chunk
+from tide.store.chunk import chunk_time_ns
 from tide.store.layout import RunLayout
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -67,6 +71,62 @@ def test_socket_transport_logs_and_drops_messages_it_does_not_understand(caplog:
     assert "unknown kind 'Gossip'" in dropped[0] and f"protocol version {PROTOCOL + 1}" in dropped[1]
     ours.close()
     theirs.close()
+
+
+class LoopbackMPI:
+    """Stands in for the job's first MPI world on rank 0 (one process here): what it was sent."""
+
+    rank, size, dropped = 0, 2, 0
+
+    def __init__(self) -> None:
+        self.sent: list[tuple[int, object]] = []
+
+    def send(self, dest: int, msg: object) -> None:
+        self.sent.append((dest, msg))
+
+    def poll(self) -> list:
+        return []
+
+    def close(self) -> None:
+        pass
+
+
+def poll_until(transport: Any, timeout_s: float = 10.0) -> list:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if got := transport.poll():
+            return got
+        time.sleep(0.05)
+    return []
+
+
+def test_a_returned_training_component_joins_with_the_runs_key_and_nothing_else_does(tmp_path: Path) -> None:
+    """Rank 0 listens for a training component started again (its own step: a new MPI world). The key
+    is in join.json, readable by the job's user only; a connection without it is closed. Once joined,
+    the first trainer rank's messages go over the connection (the others' are the leader's to relay)."""
+    mpi = LoopbackMPI()
+    rank0 = JoinableTransport(mpi, [1, 2], tmp_path)  # type: ignore[arg-type]
+    try:
+        assert stat.S_IMODE((tmp_path / "join.json").stat().st_mode) == 0o600
+        port = json.loads((tmp_path / "join.json").read_text())["port"]
+        for hello in (Join("not-the-key"), Heartbeat("trainer", 1, 0.0)):
+            intruder = SocketTransport(socket.create_connection(("127.0.0.1", port)), rank=1, peer=0)
+            intruder.send(0, hello)
+            assert intruder.poll(timeout=15) == [] and intruder.closed  # closed by rank 0
+        rank0.send(1, Shutdown("before anyone joined"))
+        assert mpi.sent == [(1, Shutdown("before anyone joined"))]
+        trainer = join(tmp_path, timeout_s=10)
+        trainer.send(0, Heartbeat("trainer", 0, 1.0))
+        assert poll_until(rank0) == [(1, Heartbeat("trainer", 0, 1.0))]
+        rank0.send(1, Shutdown("done"))
+        rank0.send(2, Shutdown("done"))  # the leader relays to its step's other ranks
+        assert poll_until(trainer) == [(0, Shutdown("done"))] and len(mpi.sent) == 1
+        trainer.close()
+        assert poll_until(rank0, 2) == [] and rank0.joined is None  # gone: MPI again (and down, by its beats)
+        rank0.send(1, Shutdown("again"))
+        assert mpi.sent[-1] == (1, Shutdown("again"))
+    finally:
+        rank0.close()
 
 
 MPI_SCRIPT = """
@@ -208,7 +268,8 @@ def test_sigterm_ends_the_main_job_with_its_results_and_a_restart_resumes_from_t
     requests, those in flight finish, the store is flushed and the trainer stopped, and summary.json,
     events.json, windows and requests are written (`stopped: SIGTERM`, no no-speculation baseline).
     Started again on the same run dir, it serves the newest draft from its first window on (its first
-    collection starting after that draft's training read: tests/test_coordinator.py)."""
+    collection starting after that draft's training read: tests/test_coordinator.py), and the first
+    run's results move to previous/1/."""
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "tide.launch", "--config", "configs/ci.yaml", "--out", str(out)]
 
@@ -238,6 +299,7 @@ def test_sigterm_ends_the_main_job_with_its_results_and_a_restart_resumes_from_t
     first_window = json.loads((out / "windows.jsonl").read_text().splitlines()[0])
     assert first_window["draft_version"] == newest
     assert json.loads((out / "summary.json").read_text())["stopped"] == "SIGTERM"
+    assert json.loads((out / "previous" / "1" / "summary.json").read_text()) == summary  # the first run's, kept
 
 
 # ---- ranks dying on the test cluster ---------------------------------------------------------------
@@ -253,13 +315,14 @@ def submit_run(tmp_path: Path, **sections: dict) -> tuple[submit.Job, Path, Path
 @pytest.mark.timeout(RUN_WAIT_S + 60)
 def test_a_trainer_killed_mid_training_degrades_training_not_serving(cluster: dict[str, str],
                                                                       tmp_path: Path) -> None:
-    """SIGKILL to the training rank while rank 0 shows its steps (a cycle of 2000 steps: far from done).
-    The job completes (serving decides), the log and summary.json say training is degraded, every
-    request is served, by v0: the last good draft. Serving goes on until 16 requests after the
-    trainer was marked down, however long the trainer took to start its steps."""
+    """SIGKILL to the training rank while rank 0 shows its steps (a cycle of 2000 steps: far from done),
+    in a job that does not start a lost training component again (`slurm.train_restarts: 0`). The job
+    completes (serving decides), the log and summary.json say training is degraded, every request is
+    served, by v0: the last good draft. Serving goes on until 16 requests after the trainer was
+    marked down, however long the trainer took to start its steps."""
     until = {"event": "trainer-down", "event_requests": 16, "max_s": 300}
     job, _, out = submit_run(tmp_path, control={"policy": "always"}, runtime={"trainer_timeout_s": 5.0},
-                             train={"max_steps": 2000},
+                             train={"max_steps": 2000}, slurm={"train_restarts": 0},
                              workload={"max_tokens": 64, "nospec_baseline": False, "until": until})
     wait_for_line(job.stderr, r"^0: .* train c1 [1-9]\d*/2000 ", 300)
     os.kill(rank_pid(out, 1), signal.SIGKILL)
@@ -274,6 +337,31 @@ def test_a_trainer_killed_mid_training_degrades_training_not_serving(cluster: di
     assert len(reqs) == s["requests"] >= 128 and {r["draft_version"] for r in reqs} == {0}
     assert s["workload"][0]["until_met"], s["workload"]
     assert DraftRegistry(out / "drafts").latest() == 0
+
+
+@pytest.mark.slurm
+@pytest.mark.timeout(RUN_WAIT_S + 60)
+def test_a_lost_training_component_comes_back_and_trains_again(cluster: dict[str, str], tmp_path: Path) -> None:
+    """SIGKILL to the training rank in its first cycle: serving goes on and training is marked down;
+    5 s later the step guard starts the training component again, a step of its own (`--rejoin`), which
+    joins the coordinator through the run dir. The trainer is back, its next cycle trains from the live
+    draft and is deployed, and the summary says training recovered."""
+    until = {"event": "deploy", "event_requests": 16, "max_s": 400}
+    job, _, out = submit_run(tmp_path, control={"policy": "always"}, runtime={"trainer_timeout_s": 5.0},
+                             train={"max_steps": 60}, slurm={"env": {"TIDE_TRAIN_RESTART_S": "5"}},
+                             workload={"max_tokens": 64, "nospec_baseline": False, "until": until})
+    wait_for_line(job.stderr, r"^0: .* train c1 [1-9]\d*/60 ", 300)
+    os.kill(rank_pid(out, 1), signal.SIGKILL)
+    assert submit.wait(job, RUN_WAIT_S).state == "COMPLETED"
+    err = job.stderr.read_bytes().decode()
+    assert "tide: training rank 1 exited 137: training degraded, serving goes on" in err
+    assert "tide: starting the training component again" in err and "a training component joined" in err
+    s, reqs = run_results(out)
+    kinds = [e["kind"] for e in s["events"]]
+    down, up = kinds.index("trainer-down"), kinds.index("trainer-up")
+    assert down < up < kinds.index("deploy", up), s["events"]
+    assert s["training"] == "recovered" and s["workload"][0]["until_met"]
+    assert DraftRegistry(out / "drafts").latest() >= 1 and max(r["draft_version"] for r in reqs) >= 1
 
 
 @pytest.mark.slurm
@@ -300,6 +388,42 @@ def test_an_inference_rank_dying_ends_the_job_without_partial_chunks(cluster: di
     for pid in left:
         os.kill(pid, signal.SIGKILL)
     assert not left, f"processes of job {job.job_id} left running: {left}"
+
+
+@pytest.mark.slurm
+@pytest.mark.timeout(2 * RUN_WAIT_S)
+def test_a_requeued_job_resumes_from_its_newest_draft_and_rows(cluster: dict[str, str], tmp_path: Path) -> None:
+    """`scontrol requeue` once a trained draft serves: Slurm ends the run (TERM, KILL after KillWait) and
+    runs the same script again, same job id and run dir. The first run's results move to previous/1/;
+    the second serves the newest draft from its first window, and its first cycle trains from that
+    draft on the rows stored since that draft's training, before the requeue too, each row once (the
+    workload starts again from its first request, under the same ids)."""
+    until = {"trained_requests": 96, "max_s": 400}
+    job, config, out = submit_run(tmp_path, control={"policy": "always"}, train={"max_steps": 60},
+                                  workload={"max_tokens": 64, "nospec_baseline": False, "until": until})
+    assert "#SBATCH --requeue" in (out / "tide_hetjob.sbatch").read_text()
+    wait_for_line(job.stderr, r"^0: .* decision: deploy v1: ", RUN_WAIT_S)
+    requeued_ns = time.time_ns()
+    subprocess.run(["scontrol", "requeue", job.job_id], check=True, capture_output=True, text=True)
+    assert submit.wait(job, RUN_WAIT_S).state == "COMPLETED"
+    first = json.loads((out / "previous" / "1" / "summary.json").read_text())
+    assert first["requests"] > 0 and "deploy" in [e["kind"] for e in first["events"]]
+    s, reqs = run_results(out)
+    assert s["stopped"] is None and s["workload"][0]["until_met"] and len(reqs) == s["requests"]
+    trained = [e["version"] for e in s["events"] if e["kind"] == "trained"]
+    assert trained, s["events"]
+    reg = DraftRegistry(out / "drafts")
+    new = reg.meta(trained[0])
+    resumed = new["base_version"]
+    assert resumed == trained[0] - 1 >= 1  # the newest draft when the second run started ...
+    assert json.loads((out / "windows.jsonl").read_text().splitlines()[0])["draft_version"] == resumed  # ... served
+    window = new["source_chunks"]
+    assert not set(window) & set(reg.meta(resumed)["source_chunks"])  # nothing the resumed draft trained on
+    assert any(chunk_time_ns(Path(name)) < requeued_ns for name in window)  # rows stored before the requeue
+    meta = RunLayout.open(load_config(config), out).target.chunk_meta()
+    rows = [(r.request_id, int(p)) for name in window for r in read_chunk(out / "store" / name, meta)
+            for p in r.positions]
+    assert new["rows"] == len(set(rows)) > 0  # each row once
 
 
 @pytest.mark.slurm

@@ -175,7 +175,7 @@ def test_sigterm_during_a_stream_ends_it_cleanly_and_keeps_every_row(server, tin
     assert proc.wait(timeout=120) == 0
     assert ended in ("finished", "error") and pieces
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["requests"] >= 1 and (out / "events.json").exists()
+    assert summary["requests"] >= 1 and summary["stopped"] == "SIGTERM" and (out / "events.json").exists()
     runs = ChunkReader(out / "store", tiny_target.chunk_meta()).load()  # every chunk verifies
     if ended == "finished":
         mine = [r for r in runs if r.workload == "sigterm"]

@@ -103,14 +103,17 @@ def render_hetjob_script(spec: JobSpec) -> str:
              "# TIDE heterogeneous job, made by tide.cluster.script.render_hetjob_script (edit the config, not this).",
              f"#SBATCH --job-name={s.job_name}",
              f"#SBATCH --output={out / 'slurm-%j.out'}",
-             f"#SBATCH --error={out / 'slurm-%j.err'}"]
+             f"#SBATCH --error={out / 'slurm-%j.err'}",
+             "# a requeued run resumes from its newest draft and stored rows",
+             "#SBATCH --requeue"]
     roles = ("serving", "draft training")
     for i, comp in enumerate(spec.components):
         if i:
             lines.append("#SBATCH hetjob")
         lines.append(f"# het group {i}: {roles[i]}")
         lines += sbatch_lines({"time": time_str(s.time), "signal": spec.signal, **comp.sbatch_options()})
-    lines += ["", "export PYTHONUNBUFFERED=1", *exports(s.env), "", *STEP_GUARD.splitlines(), ""]
+    lines += ["", "export PYTHONUNBUFFERED=1", *exports({"TIDE_TRAIN_RESTARTS": s.train_restarts, **s.env}), "",
+              *STEP_GUARD.splitlines(), ""]
     groups = ", ".join(f"group {i} ${{SLURM_JOB_NODELIST_HET_GROUP_{i}}}" for i in range(len(spec.components)))
     step_dir = f"{out}/.step-${{SLURM_JOB_ID}}"
     lines += [f'echo "tide: job ${{SLURM_JOB_ID}}: {groups}"',

@@ -69,7 +69,7 @@ class HetSlurmExecutor(submitit.SlurmExecutor):
         s, (first, *rest) = spec.slurm, spec.components
         ex = cls(folder, [{"time": s.time, **c.sbatch_options()} for c in rest], mpi=s.mpi,
                  srun_timeout_s=spec.srun_timeout_s)
-        setup = ["export PYTHONUNBUFFERED=1", *exports(s.env)]
+        setup = ["export PYTHONUNBUFFERED=1", *exports({"TIDE_TRAIN_RESTARTS": s.train_restarts, **s.env})]
         # submitit's `--signal=USR2@90` (its preemption/timeout signal) reaches every rank; slurmctld
         # sends it once `now + delay + 30 s >= end` (it checks every 30 s), i.e. at once in a 2-minute
         # job. A quarter of the limit, at most 90 s, keeps it near the end.

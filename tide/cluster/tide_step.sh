@@ -9,26 +9,34 @@
 # step have exited (mpi/pmix: srun joins its PMIx abort-agent thread once per het component), and
 # then ignores TERM: it gets TIDE_STEP_GRACE (10) s to return once every rank is done, 3 times that
 # once it got TERM, and is then killed. After SECS seconds (0 = never) srun gets TERM.
+# A training component that failed while serving goes on is started again, TIDE_TRAIN_RESTARTS (0)
+# times at most, TIDE_TRAIN_RESTART_S (30) s after it was lost: a step of its own on het group 1
+# (--overlap: the first step still holds the resources), running COMMAND --rejoin, which joins the
+# coordinator (tide.runtime.rejoin). It gets TERM when the job ends.
 tide_step() {  # tide_step SECS DIR SRUN [OPTIONS...] -- COMMAND...
   local secs=$1 grace=${TIDE_STEP_GRACE:-10} linger=${TIDE_TRAIN_GRACE:-60} t=0 n=0 n0 f r c v rc
-  local all=-1 served=-1 stop=-1 srun=() code=()
+  local restarts=${TIDE_TRAIN_RESTARTS:-0} delay=${TIDE_TRAIN_RESTART_S:-30} again=-1 jpid=0
+  local all=-1 served=-1 stop=-1 srun=() jsrun=() code=()
   export TIDE_STEP_DIR=$2
   shift 2
   while [[ $1 != -- ]]; do srun+=("$1"); shift; done
   shift
+  for v in "${srun[@]}"; do [[ $v == --het-group=* ]] && v=--het-group=1; jsrun+=("$v"); done
+  jsrun+=(--overlap)
   for v in ${!SLURM_NTASKS_HET_GROUP_*}; do n=$((n + ${!v})); done
   ((n)) || n=${SLURM_NTASKS:-1}
   n0=${SLURM_NTASKS_HET_GROUP_0:-$n}
   mkdir -p "$TIDE_STEP_DIR"
-  rm -f "$TIDE_STEP_DIR"/*  # a requeued job runs again under the same id: the last run's exit codes do not count
+  rm -rf "${TIDE_STEP_DIR:?}"/*  # a requeued job runs again under the same id: the last run's exit codes do not count
   # each rank in a session (process group) of its own, killed once the rank has exited: a child that
   # outlives it (a vLLM engine or worker process whose parent was killed) would run on, unseen. TERM
   # and USR2 (srun stopped, or Slurm's warning before the time limit) reach the rank's whole session:
   # serving stops taking requests and writes its results
-  "${srun[@]}" bash -c 'setsid "$@" & p=$!; trap "kill -TERM -- -$p 2>/dev/null" TERM
+  local wrap='setsid "$@" & p=$!; trap "kill -TERM -- -$p 2>/dev/null" TERM
     trap "kill -USR2 -- -$p 2>/dev/null" USR2
     while wait $p; rc=$?; ((rc > 128)) && kill -0 $p 2>/dev/null; do :; done; kill -KILL -- -$p 2>/dev/null
-    f=$TIDE_STEP_DIR/$SLURM_PROCID; echo $rc >"$f.tmp"; mv "$f.tmp" "$f"; exit $rc' rank "$@" &
+    f=$TIDE_STEP_DIR/$SLURM_PROCID; echo $rc >"$f.tmp"; mv "$f.tmp" "$f"; exit $rc'
+  "${srun[@]}" bash -c "$wrap" rank "$@" &
   local pid=$!
   while
     for f in "$TIDE_STEP_DIR"/*; do  # ranks that exited since the last look
@@ -41,8 +49,24 @@ tide_step() {  # tide_step SECS DIR SRUN [OPTIONS...] -- COMMAND...
         ((stop >= 0)) || { kill -TERM "$pid" 2>/dev/null; stop=$t; }
       elif ((c)); then
         echo "tide: training rank $r exited $c: training degraded, serving goes on" >&2
+        ((restarts > 0 && again < 0 && !jpid)) && again=$((t + delay))
       fi
     done
+    if ((jpid)) && ! kill -0 "$jpid" 2>/dev/null; then  # the training component started again has ended
+      wait "$jpid"
+      c=$?
+      jpid=0
+      echo "tide: the training component started again exited $c" >&2
+      ((c && restarts > 0)) && again=$((t + delay))
+    fi
+    if ((again >= 0 && t >= again && stop < 0 && served < 0)); then
+      restarts=$((restarts - 1))
+      again=-1
+      echo "tide: starting the training component again (at most $restarts more time(s))" >&2
+      mkdir -p "$TIDE_STEP_DIR/rejoin"
+      TIDE_STEP_DIR=$TIDE_STEP_DIR/rejoin "${jsrun[@]}" bash -c "$wrap" rank "$@" --rejoin &
+      jpid=$!
+    fi
     kill -0 "$pid" 2>/dev/null
   do
     ((all < 0 && ${#code[@]} >= n)) && all=$t
@@ -59,6 +83,7 @@ tide_step() {  # tide_step SECS DIR SRUN [OPTIONS...] -- COMMAND...
     elif ((stop < 0 && served >= 0 && t - served >= linger)); then
       echo "tide: serving is done, training ranks still running after $linger s: stopping them" >&2
       kill -TERM "$pid"
+      ((jpid)) && kill -TERM "$jpid" 2>/dev/null
       stop=$t
     elif ((stop < 0 && secs > 0 && t >= secs)); then
       echo "tide: srun still running after $secs s: stopping it" >&2
@@ -70,6 +95,11 @@ tide_step() {  # tide_step SECS DIR SRUN [OPTIONS...] -- COMMAND...
   done
   wait "$pid" 2>/dev/null
   rc=$?
+  if ((jpid)); then  # the training component started again: Shutdown reached it, or TERM, then KILL
+    for ((c = 0; c < linger && jpid; c++)); do kill -0 "$jpid" 2>/dev/null || jpid=0; ((jpid)) && sleep 1; done
+    ((jpid)) && { kill -TERM "$jpid" 2>/dev/null; sleep "$grace"; kill -KILL "$jpid" 2>/dev/null; }
+    wait 2>/dev/null
+  fi
   for ((r = n0 - 1, c = 0; r >= 0; r--)); do  # serving decides: the lowest failed rank's code, else 0
     v=${code[r]:-}
     [[ $v == 0 ]] && c=$((c + 1))

@@ -180,10 +180,12 @@ class SlurmConfig:
     env: dict[str, str] = field(default_factory=dict)  # exported in the batch script, for every rank
     srun_timeout_s: int = 0  # srun is stopped after this; 0 = time minus a margin, for the script to report
     mpi: str = "pmix"  # Debian's Open MPI works only with pmix (MPICH only with pmi2)
+    train_restarts: int = 3  # times a lost training component is started again inside the job (0: never)
 
     def __post_init__(self) -> None:
         if self.time < 1:
             raise ValueError(f"SlurmConfig.time: minutes, must be >= 1, got {self.time}")
+        check(self.train_restarts >= 0, "SlurmConfig", "train_restarts", self.train_restarts, ">= 0 (0: never)")
         if not self.job_name or any(c.isspace() for c in self.job_name):
             raise ValueError(f"SlurmConfig.job_name: must be one word, got {self.job_name!r}")
 

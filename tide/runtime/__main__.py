@@ -3,7 +3,8 @@
 Under Slurm (`srun --het-group=0,1 --mpi=pmix`) every rank runs this; MPI_COMM_WORLD spans both
 components, component 0 (inference) first. Rank 0 is the coordinator and serves; component 1
 ranks train as one DeepSpeed group. A local trainer started by `tide.launch` gets `--fd`, the
-socket to the coordinator, instead of MPI.
+socket to the coordinator, instead of MPI. A training component started again after it was lost
+(`--rejoin`, its own srun step) joins the coordinator over TCP (tide.runtime.rejoin).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from tide.cli import parser, run
 from tide.config import load_config
 from tide.runtime import server_options
 from tide.runtime.processes import bind_cores, bind_serving
+from tide.runtime.rejoin import JoinableTransport, RelayTransport, join
 from tide.runtime.trainer_role import run_trainer
 from tide.runtime.transport import MPITransport, SocketTransport
 from tide.store.layout import RunLayout
@@ -54,9 +56,9 @@ def trainer_group_env(comm, n0: int) -> None:
     trainers.Free()
     group.Free()
     names = [bytes(hosts[256 * r : 256 * (r + 1)]).rstrip(b"\0").decode() for r in range(size)]
-    job = int(os.environ.get("SLURM_JOB_ID", "0"))
-    os.environ.pop("OMPI_COMM_WORLD_LOCAL_RANK", None)
-    os.environ.update(MASTER_ADDR=names[0], MASTER_PORT=str(20000 + job % 20000), RANK=str(rank),
+    job, step = (int(os.environ.get(v, "0") or 0) for v in ("SLURM_JOB_ID", "SLURM_STEP_ID"))
+    os.environ.pop("OMPI_COMM_WORLD_LOCAL_RANK", None)  # a returned component (a later step): another port
+    os.environ.update(MASTER_ADDR=names[0], MASTER_PORT=str(20000 + (job + 97 * step) % 20000), RANK=str(rank),
                       WORLD_SIZE=str(size), LOCAL_RANK=str(names[:rank].count(names[rank])))
 
 
@@ -66,6 +68,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True, type=Path)
     p.add_argument("--fd", type=int, help="(local) socket to the coordinator: run as the trainer")
     p.add_argument("--cores", default="", help="(local) CPU cores for this process, e.g. '1' or '2-3'")
+    p.add_argument("--rejoin", action="store_true",
+                   help="(Slurm) a training component started again in a running job: join its coordinator "
+                        "through the run dir (the step guard starts it after the first one was lost)")
     server_options.add_arguments(p, host="0.0.0.0")
     return run(p, rank, argv)
 
@@ -78,13 +83,23 @@ def rank(args: argparse.Namespace) -> int:
         bind_cores(args.cores)
         run_trainer(cfg, run_dir, SocketTransport(socket.socket(fileno=args.fd), rank=1, peer=0))
         return 0
-    transport = MPITransport()
+    transport: MPITransport | JoinableTransport | RelayTransport = MPITransport()
+    if args.rejoin:  # this step's ranks train; its first joins the coordinator and relays to the others
+        bind_cores(args.cores, slurm_cpus(1))
+        trainer_group_env(transport.comm, 0)
+        if transport.rank == 0:
+            transport = RelayTransport(join(args.out), transport)
+        run_trainer(cfg, run_dir, transport)
+        transport.close()
+        return 0
     n0, n1 = het_layout(transport.rank, transport.size)
     if transport.rank >= n0:
         bind_cores(args.cores, slurm_cpus(1))
         trainer_group_env(transport.comm, n0)
         run_trainer(cfg, run_dir, transport)
     elif transport.rank == 0:
+        if n1:
+            transport = JoinableTransport(transport, list(range(n0, n0 + n1)), run_dir.out)
         bind_serving(args.cores, slurm_cpus(0))
         http = server_options.from_args(args)
         if http is not None:  # imports vLLM: after bind_serving's environment

@@ -197,6 +197,8 @@ class Coordinator:
                 self.transport.send(r, Heartbeat("coordinator", self.transport.rank, self._beat_sent))
         for src, msg in self.transport.poll():
             if src in self.trainer_ranks:
+                if not self.trainer_alive:
+                    self.record("trainer-up", f"{type(msg).__name__} from rank {src}: the trainer is back")
                 self.trainer_seen, self.trainer_alive = time.time(), True
             if isinstance(msg, (DraftReady, TrainFailed)) and self.in_flight and msg.cycle == self.in_flight[0]:
                 self.in_flight, self.progress = None, None

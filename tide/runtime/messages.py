@@ -71,7 +71,14 @@ class Shutdown:
     reason: str
 
 
-Message = Train | TrainProgress | DraftReady | TrainFailed | Heartbeat | Shutdown
+@dataclass(frozen=True)
+class Join:
+    """The first frame of a training component that comes back (tide.runtime.rejoin): the run's key."""
+
+    key: str
+
+
+Message = Train | TrainProgress | DraftReady | TrainFailed | Heartbeat | Shutdown | Join
 TYPES: dict[str, type] = {t.__name__: t for t in Message.__args__}  # type: ignore[attr-defined]
 FIELDS = {name: typing.get_type_hints(t) for name, t in TYPES.items()}
 

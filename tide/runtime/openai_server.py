@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import signal
 import socket
 import threading
 import time
@@ -28,7 +27,7 @@ from tide.config import TideConfig
 from tide.model.files import write_json, write_jsonl
 from tide.runtime.coordinator import Coordinator
 from tide.runtime.metrics import TideMetrics
-from tide.runtime.serve_role import Served, ensure_draft, resume_point, summarize
+from tide.runtime.serve_role import STOP_SIGNALS, Served, ensure_draft, resume_point, summarize
 from tide.runtime.server_options import HttpOptions
 from tide.runtime.transport import Transport
 from tide.serve.async_engine import AsyncEngine, server_args
@@ -102,6 +101,7 @@ async def _serve(cfg: TideConfig, run: RunLayout, transport: Transport | None, t
         from vllm.entrypoints.launchers.app import build_app
         from vllm.entrypoints.launchers.launcher import NoSignalServer, setup_server, watchdog_loop
 
+    run.keep_previous_results()
     version = ensure_draft(cfg, run)
     draft = run.drafts / f"v{version}"
     model = _profile(cfg, run, draft, version)
@@ -110,7 +110,7 @@ async def _serve(cfg: TideConfig, run: RunLayout, transport: Transport | None, t
     _, sock = setup_server(args, reuse_port=False)  # bound before the engine starts, as `vllm serve` does
     loop = asyncio.get_running_loop()
     engine = AsyncEngine(args, loop, model, version)
-    stop = asyncio.Event()
+    stop, stopped = asyncio.Event(), list[str]()  # the signal(s) that stopped the server
     coord = Coordinator(cfg, engine, transport, trainer_ranks, drafts_root=str(run.drafts),
                         resume_ns=resume_point(run, version))
     worker = _Loop(cfg, coord, engine, TideMetrics(), lambda: loop.call_soon_threadsafe(stop.set))
@@ -132,8 +132,8 @@ async def _serve(cfg: TideConfig, run: RunLayout, transport: Transport | None, t
         config.load()
         server = NoSignalServer(config)
         app.state.server = server  # vLLM's engine-error handler stops the server through it
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
+        for sig in STOP_SIGNALS:
+            loop.add_signal_handler(sig, lambda name=sig.name: (stopped.append(name), stop.set()))
         serving = asyncio.create_task(server.serve(sockets=[sock]))
         watchdog = asyncio.create_task(watchdog_loop(server, engine.client))  # exits uvicorn if the engine dies
         worker.start()
@@ -152,7 +152,7 @@ async def _serve(cfg: TideConfig, run: RunLayout, transport: Transport | None, t
         engine.shutdown()
         sock.close()
     served = Served(worker.results, worker.windows, coord.events, {}, [], engine.process_info(),
-                    coord.model.to_json() if coord.model else None, list(engine.lengths))
+                    coord.model.to_json() if coord.model else None, list(engine.lengths), "".join(stopped[:1]))
     write_jsonl(run.out / "windows.jsonl", (w.to_json() for w in served.windows))
     write_jsonl(run.out / "requests.jsonl", (r.to_json() for r in served.results))
     write_json(run.out / "events.json", [asdict(e) for e in coord.events])

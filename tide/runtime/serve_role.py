@@ -70,6 +70,7 @@ class Served:
 def serve(cfg: TideConfig, run: RunLayout, segments: list[Segment], transport: Transport | None,
           trainer_ranks: list[int], concurrency: int = 0) -> Served:
     """Serve `segments` under a coordinator; windows, requests and events go to the run dir."""
+    run.keep_previous_results()
     version = ensure_draft(cfg, run)
     engine = TideEngine(run.target, cfg.serve, run.drafts / f"v{version}", store_root=run.store,
                         chunk_tokens=cfg.store.chunk_tokens, retention_tokens=cfg.store.retention_tokens,
@@ -187,9 +188,10 @@ def spec_on_fraction(windows: list[Window]) -> float:
 
 
 def training_state(events: list[Any]) -> str:
-    """'degraded' once the trainer went down or a cycle failed (serving went on with the last good
-    draft), else 'ok'."""
-    return "degraded" if any(e.kind in ("trainer-down", "train-failed") for e in events) else "ok"
+    """'ok'; 'degraded' when the trainer went down or a cycle failed (serving went on with the last
+    good draft) and that was the last word; 'recovered' when the trainer came back after that."""
+    kinds = [e.kind for e in events if e.kind in ("trainer-down", "train-failed", "trainer-up")]
+    return "ok" if not kinds else "recovered" if kinds[-1] == "trainer-up" else "degraded"
 
 
 def run_coordinator(cfg: TideConfig, run: RunLayout, transport: Transport | None, trainer_ranks: list[int],

@@ -36,8 +36,8 @@ def run_trainer(cfg: TideConfig, run: RunLayout, transport: Transport, coordinat
                             name="tide-heartbeat", daemon=True)
     if leader:
         beat.start()
-    if threading.current_thread() is threading.main_thread():  # a job's TERM (or submitit's USR2) reaches every rank
-        for sig in (signal.SIGTERM, signal.SIGUSR2):
+    if threading.current_thread() is threading.main_thread():  # a job's TERM (submitit's USR2, a Ctrl-C to the
+        for sig in (signal.SIGTERM, signal.SIGUSR2, signal.SIGINT):  # local process group) reaches every rank
             signal.signal(sig, lambda signum, _: log.warning(
                 "trainer: %s: going on until the coordinator says Shutdown (or falls silent)",
                 signal.Signals(signum).name))
