@@ -6,8 +6,9 @@ or a peer on the wire can make TIDE do.
   * message fields cannot name a path outside the run dir (decode checks types; the coordinator
     builds a draft's path from the run's drafts dir and an int version: tests/test_coordinator.py);
   * what TIDE creates is not writable by others, whatever the caller's umask;
-  * messages have a size limit (tests/test_fuzz.py), and the one port TIDE opens (the OpenAI server)
-    takes vLLM's --api-key (tests/test_server.py).
+  * messages have a size limit (tests/test_fuzz.py); of the two ports TIDE opens, the OpenAI server
+    takes vLLM's --api-key (tests/test_server.py) and rank 0's join port wants the run's key
+    (tests/test_faults.py::test_a_returned_training_component_joins_with_the_runs_key_and_nothing_else_does).
 """
 
 from __future__ import annotations
