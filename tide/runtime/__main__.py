@@ -98,9 +98,9 @@ def rank(args: argparse.Namespace) -> int:
         trainer_group_env(transport.comm, n0)
         run_trainer(cfg, run_dir, transport)
     elif transport.rank == 0:
-        if n1:
-            transport = JoinableTransport(transport, list(range(n0, n0 + n1)), run_dir.out)
         bind_serving(args.cores, slurm_cpus(0))
+        if n1:  # a training component lost later can come back
+            transport = JoinableTransport(transport, list(range(n0, n0 + n1)), run_dir.out)
         http = server_options.from_args(args)
         if http is not None:  # imports vLLM: after bind_serving's environment
             from tide.runtime.openai_server import run_server

@@ -51,7 +51,7 @@ class JoinableTransport:
         self._server = socket.create_server(("", 0))
         self._server.settimeout(0.5)
         port = self._server.getsockname()[1]
-        path = Path(run_dir) / JOIN_FILE
+        self._path = path = Path(run_dir) / JOIN_FILE
         fd = os.open(path.with_suffix(".tmp"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as f:
             json.dump({"hosts": _hosts(), "port": port, "key": self._key}, f)
@@ -111,6 +111,7 @@ class JoinableTransport:
     def close(self) -> None:
         self._halt.set()
         self._server.close()
+        self._path.unlink(missing_ok=True)
         self._thread.join(timeout=2)
         if self.joined is not None:
             self.joined.close()
