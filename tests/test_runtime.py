@@ -102,3 +102,16 @@ def test_progress_reaches_the_coordinator_over_mpi(stored_run: tuple[Path, Path]
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     (line,) = [x for x in p.stdout.splitlines() if x.startswith("GOT ")]
     assert_progress_then_result([getattr(messages, kind)(**d) for kind, d in json.loads(line[4:])])
+
+
+def test_the_summary_says_whether_training_is_degraded_or_recovered() -> None:
+    from tide.runtime.coordinator import Event
+    from tide.runtime.serve_role import training_state
+
+    def state(*kinds: str) -> str:
+        return training_state([Event(float(i), k, "") for i, k in enumerate(kinds)])
+
+    assert state() == state("train", "trained", "deploy") == "ok"
+    assert state("trained", "train-failed") == state("trainer-down") == "degraded"
+    assert state("train-failed", "train", "trained") == state("trainer-down", "trainer-up") == "recovered"
+    assert state("trainer-down", "trainer-up", "trainer-down") == "degraded"

@@ -189,9 +189,11 @@ def spec_on_fraction(windows: list[Window]) -> float:
 
 def training_state(events: list[Any]) -> str:
     """'ok'; 'degraded' when the trainer went down or a cycle failed (serving went on with the last
-    good draft) and that was the last word; 'recovered' when the trainer came back after that."""
-    kinds = [e.kind for e in events if e.kind in ("trainer-down", "train-failed", "trainer-up")]
-    return "ok" if not kinds else "recovered" if kinds[-1] == "trainer-up" else "degraded"
+    good draft) and that was the last word; 'recovered' when the trainer came back or a cycle
+    trained after that."""
+    bad = ("trainer-down", "train-failed")
+    kinds = [e.kind for e in events if e.kind in (*bad, "trainer-up", "trained")]
+    return "ok" if not set(bad) & set(kinds) else "degraded" if kinds[-1] in bad else "recovered"
 
 
 def run_coordinator(cfg: TideConfig, run: RunLayout, transport: Transport | None, trainer_ranks: list[int],
