@@ -26,8 +26,9 @@
 #SBATCH --job-name=tide
 #SBATCH --output=tide-%j.out
 #SBATCH --error=tide-%j.err
-# a requeued run resumes from its newest draft and stored rows
+# a requeued run resumes from its newest draft and stored rows, and appends to the logs
 #SBATCH --requeue
+#SBATCH --open-mode=append
 # ---- component 0 (het group 0): serving, H100 nodes, one rank (one vLLM engine) on one GPU
 #SBATCH --time=02:00:00
 #SBATCH --partition=h100

@@ -406,6 +406,7 @@ def test_a_requeued_job_resumes_from_its_newest_draft_and_rows(cluster: dict[str
     requeued_ns = time.time_ns()
     subprocess.run(["scontrol", "requeue", job.job_id], check=True, capture_output=True, text=True)
     assert submit.wait(job, RUN_WAIT_S).state == "COMPLETED"
+    assert job.stdout.read_text().count(f"tide: job {job.job_id}: ") == 2  # both runs' logs kept
     first = json.loads((out / "previous" / "1" / "summary.json").read_text())
     assert first["requests"] > 0 and "deploy" in [e["kind"] for e in first["events"]]
     s, reqs = run_results(out)

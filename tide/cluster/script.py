@@ -104,8 +104,9 @@ def render_hetjob_script(spec: JobSpec) -> str:
              f"#SBATCH --job-name={s.job_name}",
              f"#SBATCH --output={out / 'slurm-%j.out'}",
              f"#SBATCH --error={out / 'slurm-%j.err'}",
-             "# a requeued run resumes from its newest draft and stored rows",
-             "#SBATCH --requeue"]
+             "# a requeued run resumes from its newest draft and stored rows, and appends to the logs",
+             "#SBATCH --requeue",
+             "#SBATCH --open-mode=append"]
     roles = ("serving", "draft training")
     for i, comp in enumerate(spec.components):
         if i:
