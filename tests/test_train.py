@@ -95,3 +95,21 @@ def test_bad_config_is_one_line(tmp_path):
     assert p.returncode == 2
     assert p.stderr.strip().splitlines()[-1] == (f"tide.train: error: {tmp_path / 'c.yaml'}: train.ttt_depht: "
                                                  "unknown key; did you mean ttt_depth?")
+
+
+def test_a_row_stored_twice_is_trained_once_from_its_newest_copy():
+    """A requeued or restarted job serves its workload again under the same request ids, and the
+    store splits a request into runs at other places: a cycle joins a request's runs by position,
+    the newest chunk's copy first (ChunkReader.load lists newest first)."""
+    import numpy as np
+
+    from tide.store import Run
+    from tide.train.data import sequences
+
+    def run(first: int, n: int, mark: int) -> Run:
+        pos = np.arange(first, first + n, dtype=np.int32)
+        return Run("HumanEval/1", pos.copy(), pos, np.full((n, 6), mark, np.uint16), np.ones(n, bool))
+
+    (seq,) = sequences([run(5, 10, 2), run(0, 8, 1)], max_len=64)  # newest first, overlapping 5..7
+    assert seq.tokens.tolist() == list(range(15))
+    assert seq.aux[:, 0].tolist() == [1] * 5 + [2] * 10

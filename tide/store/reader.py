@@ -36,7 +36,6 @@ class ChunkReader:
     def __init__(self, root: Path, expect: ChunkMeta | None = None):
         self.root, self.expect = Path(root), expect
         self.skipped: dict[str, int] = {}
-        self.duplicates = 0  # runs left out by the last `load`: a second copy of a run it had read
         self._warned: set[tuple[str, str]] = set()  # (file, reason): warn once per reader
 
     def _skip(self, e: ChunkError) -> None:
@@ -80,32 +79,20 @@ class ChunkReader:
         """Verified runs of the window (see `list_chunks`), newest chunk first (row order kept inside a chunk).
 
         A request split across chunks comes back as several runs with the same id (ordered by
-        position within each); `split` keeps them all on one side (see `is_eval`). A run stored twice
-        (same request id and first position: a job requeued or restarted serves its workload again)
-        is read once, from the newest chunk; `duplicates` counts the copies left out.
+        position within each); `split` keeps them all on one side (see `is_eval`).
         """
         if split not in ("all", "train", "eval"):
             raise ValueError(f"load: split must be 'all', 'train' or 'eval', got {split!r}")
         if not 0.0 <= eval_fraction <= 1.0:
             raise ValueError(f"load: eval_fraction must be in [0, 1], got {eval_fraction}")
-        self.skipped, self.duplicates = {}, 0
+        self.skipped = {}
         runs: list[Run] = []
-        seen: set[tuple[str, int]] = set()
         for path, _ in self._window(window_tokens, since_ns):
             try:
                 got = read_chunk(path, self.expect)
             except ChunkError as e:
                 self._skip(e)
                 continue
-            for r in got:
-                key = (r.request_id, int(r.positions[0]))
-                if key in seen:
-                    self.duplicates += 1
-                    continue
-                seen.add(key)
-                if split == "all" or is_eval(r.request_id, eval_fraction) == (split == "eval"):
-                    runs.append(r)
-        if self.duplicates:
-            log.warning("store: %d run(s) stored twice (a request served again after a restart): read once, "
-                        "the newest copy", self.duplicates)
+            runs += got if split == "all" else [r for r in got
+                                                if is_eval(r.request_id, eval_fraction) == (split == "eval")]
         return runs

@@ -133,7 +133,7 @@ class CycleResult:
     base_version: int = 0  # the draft this cycle started from (al_before is its figure)
     counts_before: list[int] = field(default_factory=list)  # the held-out walk's acceptance histograms
     counts_after: list[int] = field(default_factory=list)
-    rows: int = 0  # stored rows the cycle read (train and held-out), each once
+    rows: int = 0  # rows of the cycle's sequences (train and held-out): each (request, position) once
 
     def to_json(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -267,7 +267,7 @@ class DraftTrainer:
                              steps=total, wall_s=0.0, tokens_per_s=tokens * self.world / max(train_s, 1e-9),
                              final_loss=loss_v, vocab_coverage=coverage, source_chunks=[p.name for p in chunks],
                              recompute_s=self.recompute_s - recompute_s, base_version=base_version,
-                             rows=sum(len(r) for r in runs))
+                             rows=sum(len(q.tokens) for q in (*train, *held)))
         if self.rank == 0:
             report("publish", total, total, loss_v)
             after = self._evaluate(trained, eval_batches, device)
