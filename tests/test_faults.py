@@ -74,9 +74,10 @@ def test_socket_transport_logs_and_drops_messages_it_does_not_understand(caplog:
 
 
 class LoopbackMPI:
-    """Stands in for the job's first MPI world on rank 0 (one process here): what it was sent."""
+    """Stands in for rank 0's MPI world and records what it was sent: this test is about the join
+    port and the routing. The real MPI ranks are test_a_lost_training_component_comes_back_and_trains_again's."""
 
-    rank, size, dropped = 0, 2, 0
+    rank, size = 0, 2
 
     def __init__(self) -> None:
         self.sent: list[tuple[int, object]] = []

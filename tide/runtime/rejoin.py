@@ -61,10 +61,6 @@ class JoinableTransport:
         self._thread.start()
         log.info("coordinator: a returning training component can join on port %d (%s)", port, path)
 
-    @property
-    def dropped(self) -> int:
-        return self.mpi.dropped + (self.joined.dropped if self.joined else 0)
-
     def _accept(self) -> None:
         while not self._halt.is_set():
             try:
