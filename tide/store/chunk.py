@@ -205,8 +205,9 @@ def _open(path: Path) -> Iterator[h5py.File]:
         raise
     except FileNotFoundError as e:
         raise ChunkError(path, "file", f"gone ({e})", "missing") from e
-    except (OSError, KeyError, TypeError, ValueError, RuntimeError) as e:  # truncated, garbage (HDF5 raises
-        # RuntimeError for a damaged B-tree), a missing dataset
+    except (OSError, KeyError, TypeError, ValueError, RuntimeError, AttributeError) as e:  # truncated, garbage
+        # (HDF5 raises RuntimeError for a damaged B-tree), a missing dataset, a name that a flipped bit turned
+        # into a group or a named datatype (no .shape: found by tests/test_fuzz.py)
         raise ChunkError(path, "file", f"unreadable HDF5 ({type(e).__name__}: {e})") from e
 
 
