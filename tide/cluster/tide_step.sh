@@ -12,7 +12,8 @@
 # A training component that failed while serving goes on is started again, TIDE_TRAIN_RESTARTS (0)
 # times at most, TIDE_TRAIN_RESTART_S (30) s after it was lost: a step of its own on het group 1
 # (--overlap: the first step still holds the resources), running COMMAND --rejoin, which joins the
-# coordinator (tide.runtime.rejoin). It gets TERM when the job ends.
+# coordinator (tide.runtime.rejoin). Once the first step has ended it gets TIDE_STEP_GRACE s to
+# exit, then TERM, and KILL as long again later.
 tide_step() {  # tide_step SECS DIR SRUN [OPTIONS...] -- COMMAND...
   local secs=$1 grace=${TIDE_STEP_GRACE:-10} linger=${TIDE_TRAIN_GRACE:-60} t=0 n=0 n0 f r c v rc
   local restarts=${TIDE_TRAIN_RESTARTS:-0} delay=${TIDE_TRAIN_RESTART_S:-30} again=-1 jpid=0
@@ -95,9 +96,12 @@ tide_step() {  # tide_step SECS DIR SRUN [OPTIONS...] -- COMMAND...
   done
   wait "$pid" 2>/dev/null
   rc=$?
-  if ((jpid)); then  # the training component started again: Shutdown reached it, or TERM, then KILL
-    for ((c = 0; c < linger && jpid; c++)); do kill -0 "$jpid" 2>/dev/null || jpid=0; ((jpid)) && sleep 1; done
-    ((jpid)) && { kill -TERM "$jpid" 2>/dev/null; sleep "$grace"; kill -KILL "$jpid" 2>/dev/null; }
+  if ((jpid)); then  # the training component started again: the coordinator's Shutdown ends it, else TERM, KILL
+    for ((c = 0; c < 2 * grace && jpid; c++)); do
+      ((c == grace)) && kill -TERM "$jpid" 2>/dev/null
+      if kill -0 "$jpid" 2>/dev/null; then sleep 1; else jpid=0; fi
+    done
+    ((jpid)) && kill -KILL "$jpid" 2>/dev/null
     wait 2>/dev/null
   fi
   for ((r = n0 - 1, c = 0; r >= 0; r--)); do  # serving decides: the lowest failed rank's code, else 0
