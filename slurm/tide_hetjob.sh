@@ -33,9 +33,9 @@
 #SBATCH --time=02:00:00
 #SBATCH --partition=h100
 #SBATCH --nodes=1
-#SBATCH --ntasks-per-node=1
-#SBATCH --gpus-per-node=1
-#SBATCH --cpus-per-task=16
+#SBATCH --ntasks-per-node=8
+#SBATCH --gpus-per-node=8
+#SBATCH --cpus-per-task=12
 #SBATCH hetjob
 # ---- component 1 (het group 1): draft training, MI250 nodes, one rank per GPU
 #SBATCH --time=02:00:00

@@ -284,3 +284,66 @@ def test_the_gate_sets_the_draft_lengths_from_the_live_rates(tmp_path: Path) -> 
     coord.on_window(window(engine, first=0.0, steps=300))
     assert engine.lengths == [0, 0, 0, 0, 0] and coord.events[-1].kind == "spec-off"
     engine.writer.close()
+
+
+class Wire:
+    """Two ends of a loopback between ranks: what one end sends to the other lands in its inbox; what
+    goes to any other rank (the trainer) is kept in `sent`."""
+
+    def __init__(self) -> None:
+        self.ends = {0: ListTransport(), 1: ListTransport()}
+        self.ends[1].rank = 1
+        for rank, end in self.ends.items():
+            end.send = self._sender(rank, end)  # type: ignore[method-assign]
+
+    def _sender(self, src: int, end: ListTransport):  # noqa: ANN202
+        def send(dest: int, msg: Message) -> None:
+            end.sent.append((dest, msg))
+            if dest in self.ends:
+                self.ends[dest].inbox.append((src, msg))
+        return send
+
+
+def test_a_second_instance_captures_for_the_collection_deploys_its_draft_and_can_die_alone(tmp_path: Path) -> None:
+    """The coordinator (rank 0) and one more serving instance (rank 1) on one store, a trainer on rank 2:
+    the instance captures when told, its rows count towards the cycle (and are what the trainer reads
+    from the collection's start), the deployed draft is swapped on both, what the instance did is in
+    the coordinator's events, and an instance that falls silent is marked down alone."""
+    from tide.runtime.instance import Instance
+    from tide.runtime.messages import Capture, Deploy, InstanceReport
+
+    wire = Wire()
+    engine, other = FakeEngine(tmp_path / "store"), FakeEngine(tmp_path / "store")
+    drafts = str(tmp_path / "drafts")
+    coord = Coordinator(config("always"), engine, wire.ends[0], trainer_ranks=[2], drafts_root=drafts, instances=[1])
+    stopped: list[str] = []
+    inst = Instance(config("always"), other, wire.ends[1], leader=0, drafts_root=drafts, on_stop=stopped.append)
+    coord.start()
+    inst.start()
+    assert not other.capture
+    inst._poll()
+    assert other.capture and isinstance(wire.ends[0].sent[0][1], Capture)
+    other.serve_chunks(3)  # the instance's rows only
+    inst.on_window(window(other))
+    coord._poll()
+    coord.on_window(window(engine))
+    (train,) = [m for d, m in wire.ends[0].sent if isinstance(m, Train) and d == 2]
+    assert "300/250 tokens" in train.reason
+    assert sum(len(r) for r in ChunkReader(tmp_path / "store", META).load(since_ns=train.since_ns)) == 300
+    wire.ends[0].inbox.append((2, ready(1, 1, 1.5, 1.0)))
+    coord._poll()
+    assert engine.swaps == [1] and any(isinstance(m, Deploy) and m.version == 1 for _, m in wire.ends[0].sent)
+    inst._poll()
+    assert other.swaps == [1] and other.paths == [f"{drafts}/v1"] and other.capture  # still collecting
+    coord._poll()
+    assert [(e.kind, e.version) for e in coord.events if e.data.get("instance") == 1] == [("swap", 1)]
+    reports = [m for _, m in wire.ends[1].sent if isinstance(m, InstanceReport)]
+    assert reports and reports[0].stored_rows == 300
+    coord.peers[1].seen -= 1000  # silent for longer than instance_timeout_s
+    coord.on_window(window(engine))
+    assert coord.events[-1].kind == "instance-down" and coord.peers[1].state == "down"
+    told = len(wire.ends[1].inbox)
+    coord.finish("workload done")  # a down instance is not waited for, nor told anything more
+    assert len(wire.ends[1].inbox) == told
+    engine.writer.close()
+    other.writer.close()

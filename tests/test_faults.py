@@ -31,10 +31,9 @@ from typing import Any
 import msgpack
 import numpy as np
 import pytest
-from cluster.jobs import ci_config, job_processes, rank_pid, run_results, wait_for_line
+from cluster.jobs import ci_config, job_processes, rank_pid, run_results, submit_run, wait_for_line
 
 from tide.cluster import submit
-from tide.cluster.script import JobSpec, load_slurm_config
 from tide.cluster.submit import SlurmError
 from tide.config import load_config
 from tide.draft import DraftRegistry
@@ -306,12 +305,6 @@ def test_sigterm_ends_the_main_job_with_its_results_and_a_restart_resumes_from_t
 # ---- ranks dying on the test cluster ---------------------------------------------------------------
 
 
-def submit_run(tmp_path: Path, **sections: dict) -> tuple[submit.Job, Path, Path]:
-    """TIDE from the rendered script (`python -m tide.cluster --executor sbatch`): job, config, run dir."""
-    config, out = ci_config(tmp_path / "ci.yaml", **sections), tmp_path / "out"
-    return submit.submit(JobSpec.for_runtime(load_slurm_config(config), config, out), "sbatch"), config, out
-
-
 @pytest.mark.slurm
 @pytest.mark.timeout(RUN_WAIT_S + 60)
 def test_a_trainer_killed_mid_training_degrades_training_not_serving(cluster: dict[str, str],
@@ -363,6 +356,31 @@ def test_a_lost_training_component_comes_back_and_trains_again(cluster: dict[str
     assert down < up < kinds.index("deploy", up), s["events"]
     assert s["training"] == "recovered" and s["workload"][0]["until_met"]
     assert DraftRegistry(out / "drafts").latest() >= 1 and max(r["draft_version"] for r in reqs) >= 1
+
+
+@pytest.mark.slurm
+@pytest.mark.timeout(RUN_WAIT_S + 60)
+def test_a_serving_instance_dying_ends_only_itself(cluster: dict[str, str], tmp_path: Path) -> None:
+    """Two serving ranks on two nodes and a trainer; SIGKILL to rank 1 (an instance, not the
+    coordinator) once it serves: the step guard lets the others go on, the coordinator marks the
+    instance down and serves its share until 16 requests after that, and the job completes with the
+    coordinator's code. The summary names the dead instance."""
+    serve = {"partition": "gpu_infer", "nodes": 2, "ntasks_per_node": 1, "gpus_per_node": 1, "cpus_per_task": 1}
+    until = {"event": "instance-down", "event_requests": 16, "max_s": 300}
+    job, _, out = submit_run(tmp_path, slurm={"serve": serve}, runtime={"instance_timeout_s": 5.0},
+                             workload={"max_tokens": 64, "nospec_baseline": False, "until": until})
+    wait_for_line(job.stderr, r"^1: .* tide.runtime.serve_role: \[ *\d+s\] AL ", 300)
+    os.kill(rank_pid(out, 1), signal.SIGKILL)
+    assert submit.wait(job, RUN_WAIT_S).state == "COMPLETED"
+    err = job.stderr.read_bytes().decode()
+    assert "tide: serving instance 1 exited 137: the other instances go on" in err
+    s, reqs = run_results(out)
+    assert [(i["rank"], i["state"]) for i in s["instances"]] == [(0, "coordinator"), (1, "down")]
+    down = [e for e in s["events"] if e["kind"] == "instance-down"]
+    assert len(down) == 1 and down[0]["data"]["instance"] == 1
+    assert s["workload"][0]["until_met"] and len(reqs) == s["requests"] > 0
+    assert sum(r["finish"] > down[0]["t"] for r in reqs) >= 16  # rank 0 served on after the loss
+    assert not (out / "instances" / "1" / "summary.json").exists()
 
 
 @pytest.mark.slurm

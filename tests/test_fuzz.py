@@ -24,7 +24,18 @@ from test_store import META, assert_runs_equal, make_run
 
 from tide.config import ConfigError, TideConfig, load_config, to_dict
 from tide.runtime import messages
-from tide.runtime.messages import MAX_BYTES, BadMessage, DraftReady, Heartbeat, Train, decode, encode
+from tide.runtime.messages import (
+    MAX_BYTES,
+    BadMessage,
+    Capture,
+    Deploy,
+    DraftReady,
+    Heartbeat,
+    InstanceReport,
+    Train,
+    decode,
+    encode,
+)
 from tide.runtime.transport import SocketTransport
 from tide.store import ChunkReader, chunk_name, write_chunk
 from tide.workload import WorkloadError
@@ -100,7 +111,8 @@ def test_any_yaml_text_loads_or_is_one_line(tmp_path: Path, text: str) -> None:
 # ---- role messages ----------------------------------------------------------------------------------
 
 SAMPLES = [Train(3, 1000, 17, 2, "shift"), Heartbeat("trainer", 1, 2.5),
-           DraftReady(1, 2, "drafts/v2", 1.5, 1.2, 1, 4096, 3.0, [1, 2, 3, 4], [4, 3, 2, 1])]
+           DraftReady(1, 2, "drafts/v2", 1.5, 1.2, 1, 4096, 3.0, [1, 2, 3, 4], [4, 3, 2, 1]),
+           Capture(True, 17), Deploy(2, "eval AL 1.5", [4, 3, 2, 1]), InstanceReport(1, [0.5, 0.75], 4096, 17)]
 
 
 @FUZZ

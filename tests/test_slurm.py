@@ -23,14 +23,16 @@ import time
 from pathlib import Path
 
 import pytest
-from cluster.jobs import ci_config, run_results
+from cluster.jobs import ci_config, run_results, submit_run
 
 from tide.cluster import commands, script, submit
 from tide.cluster.script import JobSpec
 from tide.cluster.submit import Job, SlurmError
-from tide.config import Component, ConfigError, ServeComponent, SlurmConfig, TrainComponent
+from tide.config import Component, ConfigError, ServeComponent, SlurmConfig, TrainComponent, load_config
 from tide.draft import DraftRegistry
 from tide.draft.acceptance import AcceptanceHistogram
+from tide.store import read_chunk
+from tide.store.layout import RunLayout
 
 ROOT = Path(__file__).resolve().parents[1]
 EXPECTED = ROOT / "tests" / "expected" / "hetjob.sbatch"
@@ -167,16 +169,19 @@ case $FAKE_MODE in hang) exec sleep 300;; fail) exit 9;; esac
     ("ok", "true", 0, 0, None),
     ("fail", "true", 0, 0, None),  # every rank exited 0: srun's own code does not count
     ("hang", "true", 0, 0, "the ranks are done, srun did not return (Slurm het-step hang)"),
-    ("ok", "exit $((SLURM_PROCID == 1 ? 5 : 0))", 0, 5, "serving rank 1 exited 5: stopping the job"),
-    ("hang", "[ $SLURM_PROCID = 1 ] && exit 6 || sleep 8", 0, 6, "srun still running 3 s after TERM: killing it"),
+    ("ok", "exit $((SLURM_PROCID == 0 ? 5 : 0))", 0, 5, "serving rank 0 exited 5: stopping the job"),
+    ("ok", "exit $((SLURM_PROCID == 1 ? 5 : 0))", 0, 0, "serving instance 1 exited 5: the other instances go on"),
+    ("hang", "[ $SLURM_PROCID = 0 ] && exit 6 || sleep 8", 0, 6, "srun still running 3 s after TERM: killing it"),
     ("fail", "exit $((SLURM_PROCID == 2 ? 7 : 0))", 0, 0,
      "training rank 2 exited 7: training degraded, serving goes on"),
-    ("ok", "[ $SLURM_PROCID = 2 ] && sleep 8 || true", 0, 0, "serving is done, training ranks still running after 1 s"),
-    ("ok", "[ $SLURM_PROCID = 0 ] || sleep 3", 1, 143, "srun still running after 1 s: stopping it"),
+    ("ok", "[ $SLURM_PROCID = 2 ] && sleep 8 || true", 0, 0, "serving is done, ranks still running after 1 s"),
+    ("ok", "[ $SLURM_PROCID = 1 ] && sleep 8 || true", 0, 0, "serving is done, ranks still running after 1 s"),
+    ("ok", "sleep 3", 1, 143, "srun still running after 1 s: stopping it"),
 ])
 def test_step_guard(tmp_path: Path, mode: str, rank_cmd: str, timeout_s: int, rc: int, message: str | None) -> None:
-    """tide_step with a fake srun: serving decides the job's code, a failed training rank does not end
-    it, and srun's hang after the ranks exit costs TIDE_STEP_GRACE, not the job."""
+    """tide_step with a fake srun: rank 0 (the coordinator) decides the job's code, a failed serving
+    instance or training rank does not end it, and srun's hang after the ranks exit costs
+    TIDE_STEP_GRACE, not the job."""
     srun = tmp_path / "srun"
     srun.write_text(FAKE_SRUN)
     srun.chmod(0o755)
@@ -355,6 +360,66 @@ def test_tide_from_the_standalone_script(cluster: dict[str, str], tmp_path: Path
     assert re.search(r"^0: .* decision: deploy v1: ", err, re.M), err[-3000:]
     assert not re.search(r"^tide: (serving|training) rank", err, re.M)  # every rank exited 0
     assert_trained_draft_served(out)
+
+
+TWO_INSTANCES = {"partition": "gpu_infer", "nodes": 2, "ntasks_per_node": 1, "gpus_per_node": 1, "cpus_per_task": 1}
+
+
+def plain_outputs(config: Path, out: Path, served: list[dict]) -> dict[str, list[int]]:
+    """The greedy output of a plain vLLM engine (no speculative config) for requests a run served
+    (a repeat `ID~k` is the prompt of `ID`)."""
+    from tide.serve.engine import Request, TideEngine
+    from tide.store.layout import RunLayout
+    from tide.workload import build_requests
+
+    cfg = load_config(config)
+    run = RunLayout.open(cfg, out)
+    prompts = {r.request_id: r for r in build_requests(cfg.workload, run.target.path,
+                                                        cfg.serve.max_model_len - cfg.workload.max_tokens - 8)}
+    asked = [Request(r["request_id"], prompts[r["request_id"].split("~")[0]].prompt_ids, cfg.workload.max_tokens)
+             for r in served]
+    engine = TideEngine(run.target, cfg.serve, None, dtype=cfg.model.dtype)
+    try:
+        results, _ = engine.replay(asked, concurrency=cfg.workload.concurrency, window_s=1e9)
+    finally:
+        engine.close()
+    return {r.request_id: r.output_ids for r in results}
+
+
+@pytest.mark.slurm
+@pytest.mark.timeout(RUN_WAIT_S + 120)
+def test_two_serving_instances_share_the_store_the_trainer_and_the_drafts(cluster: dict[str, str],
+                                                                          tmp_path: Path) -> None:
+    """Two serving ranks on two nodes (one vLLM instance each, rank 0 also coordinates) and one trainer
+    rank: the workload is split round-robin, both instances capture into the one store, the trainer
+    trains on both instances' rows, both swap to the same drafts, and each instance's greedy output
+    is a plain engine's."""
+    job, config, out = submit_run(tmp_path, slurm={"serve": TWO_INSTANCES}, **E2E)
+    assert submit.wait(job, RUN_WAIT_S).state == "COMPLETED"
+    err = job.stderr.read_bytes().decode()
+    assert re.search(r"^1: .* engine: started in ", err, re.M) and not re.search(r"^tide: (serving|training)", err,
+                                                                                 re.M)
+    s, reqs = run_results(out)
+    first, second = s["instances"]
+    assert (first["state"], second["state"], s["spread"]) == ("coordinator", "done", "round-robin")
+    other = [json.loads(line) for line in (out / "instances" / "1" / "requests.jsonl").read_text().splitlines()]
+    assert len(reqs) == first["requests"] and len(other) == second["requests"] > 0
+    assert s["total"]["requests"] == len(reqs) + len(other)
+    base = [{r["request_id"].split("~")[0] for r in rows} for rows in (reqs, other)]
+    assert not base[0] & base[1]  # each prompt has one instance
+    meta = RunLayout.open(load_config(config), out).target.chunk_meta()
+    reg = DraftRegistry(out / "drafts")
+    trained = {run.request_id.split("~")[0] for v in range(1, reg.latest() + 1)
+               for name in reg.meta(v)["source_chunks"] for run in read_chunk(out / "store" / name, meta)}
+    assert trained & base[0] and trained & base[1]  # the one trainer learned from both instances' rows
+    both = set(first["versions"]) & set(second["versions"])
+    assert both and min(both) >= 1, (first, second)
+    swapped = [e for e in s["events"] if e["kind"] == "swap" and e["data"].get("instance") == 1]
+    assert {e["version"] for e in swapped} == set(second["versions"])  # reported to the coordinator
+    picked = [r for rows in (reqs, other) for r in [x for x in rows if x["speculate"] and x["draft_version"] >= 1][:6]]
+    assert len(picked) == 12
+    plain = plain_outputs(config, out, picked)
+    assert all(r["output_ids"] == plain[r["request_id"]] for r in picked)
 
 
 @pytest.fixture(scope="module")

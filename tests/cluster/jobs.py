@@ -16,6 +16,9 @@ from typing import Any
 
 import yaml
 
+from tide.cluster import submit
+from tide.cluster.script import JobSpec, load_slurm_config
+
 ROOT = Path(__file__).resolve().parents[2]
 CI_CONFIG = ROOT / "configs" / "ci.yaml"
 
@@ -27,6 +30,12 @@ def ci_config(path: Path, **sections: dict[str, Any]) -> Path:
         cfg[name] = {**cfg.get(name, {}), **keys}
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
     return path
+
+
+def submit_run(tmp_path: Path, **sections: dict[str, Any]) -> tuple[submit.Job, Path, Path]:
+    """TIDE from the rendered script (`python -m tide.cluster --executor sbatch`): job, config, run dir."""
+    config, out = ci_config(tmp_path / "ci.yaml", **sections), tmp_path / "out"
+    return submit.submit(JobSpec.for_runtime(load_slurm_config(config), config, out), "sbatch"), config, out
 
 
 def _processes() -> Iterator[tuple[int, list[str], dict[str, str]]]:

@@ -2,10 +2,11 @@
 # The step guard every TIDE batch script uses (sourced by slurm/tide_hetjob.sh, embedded in the
 # scripts tide.cluster.script renders: a script Slurm copied to its spool must stand alone).
 # One srun step over every het group, guarded. Het group 0's ranks serve, the others train. Each
-# rank leaves its exit code in DIR/<rank>. A serving rank that fails ends the step (srun gets TERM)
-# and the job fails with its code; a training rank that fails only degrades training: serving goes
-# on and decides the job's code. Once every serving rank has exited 0, training ranks still running
-# get TIDE_TRAIN_GRACE (60) s, then TERM. Slurm 22.05's srun can hang after all tasks of a het
+# rank leaves its exit code in DIR/<rank>. If rank 0 (the coordinator, which also serves) fails, the
+# step ends (srun gets TERM) and the job fails with its code; a further serving instance (rank 1 ..
+# of group 0) that fails ends only itself, and a training rank that fails only degrades training:
+# the coordinator goes on and decides the job's code. Once rank 0 has exited 0 (it waits for its
+# instances), the ranks still running get TIDE_TRAIN_GRACE (60) s, then TERM. Slurm 22.05's srun can hang after all tasks of a het
 # step have exited (mpi/pmix: srun joins its PMIx abort-agent thread once per het component), and
 # then ignores TERM: it gets TIDE_STEP_GRACE (10) s to return once every rank is done, 3 times that
 # once it got TERM, and is then killed. After SECS seconds (0 = never) srun gets TERM.
@@ -45,9 +46,11 @@ tide_step() {  # tide_step SECS DIR SRUN [OPTIONS...] -- COMMAND...
       [[ $r =~ ^[0-9]+$ && -z ${code[r]:-} ]] || continue
       c=$(<"$f")
       code[r]=$c
-      if ((c && r < n0)); then
+      if ((c && r == 0)); then
         echo "tide: serving rank $r exited $c: stopping the job" >&2
         ((stop >= 0)) || { kill -TERM "$pid" 2>/dev/null; stop=$t; }
+      elif ((c && r < n0)); then
+        echo "tide: serving instance $r exited $c: the other instances go on" >&2
       elif ((c)); then
         echo "tide: training rank $r exited $c: training degraded, serving goes on" >&2
         ((restarts > 0 && again < 0 && !jpid)) && again=$((t + delay))
@@ -71,8 +74,7 @@ tide_step() {  # tide_step SECS DIR SRUN [OPTIONS...] -- COMMAND...
     kill -0 "$pid" 2>/dev/null
   do
     ((all < 0 && ${#code[@]} >= n)) && all=$t
-    for ((r = 0, c = 0; r < n0; r++)); do [[ ${code[r]:-} == 0 ]] && c=$((c + 1)); done
-    ((served < 0 && c == n0)) && served=$t
+    ((served < 0 && ${code[0]:-1} == 0)) && served=$t
     if ((all >= 0 && t - all >= grace)); then
       echo "tide: the ranks are done, srun did not return (Slurm het-step hang): killing it" >&2
       kill -KILL "$pid"
@@ -82,7 +84,7 @@ tide_step() {  # tide_step SECS DIR SRUN [OPTIONS...] -- COMMAND...
       kill -KILL "$pid"
       break
     elif ((stop < 0 && served >= 0 && t - served >= linger)); then
-      echo "tide: serving is done, training ranks still running after $linger s: stopping them" >&2
+      echo "tide: serving is done, ranks still running after $linger s: stopping them" >&2
       kill -TERM "$pid"
       ((jpid)) && kill -TERM "$jpid" 2>/dev/null
       stop=$t
@@ -104,12 +106,7 @@ tide_step() {  # tide_step SECS DIR SRUN [OPTIONS...] -- COMMAND...
     ((jpid)) && kill -KILL "$jpid" 2>/dev/null
     wait 2>/dev/null
   fi
-  for ((r = n0 - 1, c = 0; r >= 0; r--)); do  # serving decides: the lowest failed rank's code, else 0
-    v=${code[r]:-}
-    [[ $v == 0 ]] && c=$((c + 1))
-    [[ -n $v && $v != 0 ]] && rc=$v
-  done
-  ((c == n0)) && rc=0
+  [[ -n ${code[0]:-} ]] && rc=${code[0]}  # the coordinator's code decides
   rm -rf "$TIDE_STEP_DIR"
   return "$rc"
 }

@@ -146,17 +146,17 @@ class Component:
         return {k: v for k, v in opts.items() if not (k == "gpus_per_node" and v == 0)}
 
 
-# The paper's testbed: H100s serve, 4 MI250 train the draft. One serving rank (one vLLM engine on one
-# GPU: rank 0 is the only one that serves). Separate classes so that a config giving only
+# The paper's testbed: a node of 8 H100s serves (8 ranks: 8 vLLM instances, one GPU each; rank 0 also
+# coordinates), 4 MI250 train the draft. Separate classes so that a config giving only
 # `serve: {partition: x}` keeps the other serving defaults.
 @dataclass(frozen=True)
 class ServeComponent(Component):
-    """Het group 0: serving on H100-class nodes."""
+    """Het group 0: serving on H100-class nodes, one instance per rank."""
 
     partition: str = "h100"
-    ntasks_per_node: int = 1
-    gpus_per_node: int = 1
-    cpus_per_task: int = 16
+    ntasks_per_node: int = 8
+    gpus_per_node: int = 8
+    cpus_per_task: int = 12
 
 
 @dataclass(frozen=True)
@@ -349,6 +349,7 @@ class RuntimeConfig:
     heartbeat_s: float = 5.0  # trainer -> coordinator and back
     trainer_timeout_s: float = 60.0  # no heartbeat for this long: the trainer is down, serving goes on
     trainer_start_timeout_s: float = 600.0  # serving starts once the trainer is up, or after this
+    instance_timeout_s: float = 60.0  # a serving instance silent this long is down; the others go on
     # Local runs emulate disaggregation: serving and training on disjoint cores ("" = no binding).
     serve_cores: str = "0"
     train_cores: str = "1"

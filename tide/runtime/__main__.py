@@ -1,7 +1,8 @@
 """`python -m tide.runtime`: one rank of a TIDE job.
 
 Under Slurm (`srun --het-group=0,1 --mpi=pmix`) every rank runs this; MPI_COMM_WORLD spans both
-components, component 0 (inference) first. Rank 0 is the coordinator and serves; component 1
+components, component 0 (inference) first. Rank 0 is the coordinator and serves; every further rank
+of component 0 is one more serving instance (its own vLLM engine and share of the workload); component 1
 ranks train as one DeepSpeed group. A local trainer started by `tide.launch` gets `--fd`, the
 socket to the coordinator, instead of MPI. A training component started again after it was lost
 (`--rejoin`, its own srun step) joins the coordinator over TCP (tide.runtime.rejoin).
@@ -97,21 +98,28 @@ def rank(args: argparse.Namespace) -> int:
         bind_cores(args.cores, slurm_cpus(1))
         trainer_group_env(transport.comm, n0)
         run_trainer(cfg, run_dir, transport)
-    elif transport.rank == 0:
-        bind_serving(args.cores, slurm_cpus(0))
+        transport.close()
+        return 0
+    bind_serving(args.cores, slurm_cpus(0))
+    http = server_options.from_args(args)
+    if http is not None and transport.rank > 0:
+        logging.getLogger(__name__).warning("rank %d: with --serve only rank 0 serves in this version; idle",
+                                            transport.rank)
+    elif transport.rank > 0:  # imports vLLM: after bind_serving's environment
+        from tide.runtime.serve_role import run_instance
+
+        run_instance(cfg, run_dir, transport, leader=0, instances=n0)
+    else:
         if n1:  # a training component lost later can come back
             transport = JoinableTransport(transport, list(range(n0, n0 + n1)), run_dir.out)
-        http = server_options.from_args(args)
-        if http is not None:  # imports vLLM: after bind_serving's environment
+        if http is not None:
             from tide.runtime.openai_server import run_server
 
             run_server(cfg, run_dir, transport, list(range(n0, n0 + n1)), http)
         else:
             from tide.runtime.serve_role import run_coordinator
 
-            run_coordinator(cfg, run_dir, transport, list(range(n0, n0 + n1)))
-    else:
-        logging.getLogger(__name__).warning("rank %d: only rank 0 serves in this version; idle", transport.rank)
+            run_coordinator(cfg, run_dir, transport, list(range(n0, n0 + n1)), instances=list(range(1, n0)))
     transport.close()
     return 0
 

@@ -6,6 +6,11 @@ speculation does not pay; back on when a draft's evaluation says it will), refit
 from the steps served, turns capture on and off, and asks the trainers for a cycle when enough has
 been stored. Every decision is recorded with its time and reason.
 
+With several serving instances (ranks 1.. of component 0, `tide.runtime.instance`), the coordinator
+also runs the collection gate on every instance's per-request acceptance, counts the rows they store,
+tells them when to capture and which draft to deploy, and records what each did with it; each
+instance keeps its own speculation gate and rollback on its own engine.
+
 `control.policy` picks how much of that runs: `adaptive` (all gates), `always` (the paper's
 TIDE-default: speculate, collect, train and deploy without gates) or `frozen` (a static draft: speculate,
 never collect or train).
@@ -32,7 +37,20 @@ from tide.control import (
     SpeculationObservation,
 )
 from tide.draft.acceptance import AcceptanceHistogram, PositionRates
-from tide.runtime.messages import DraftReady, Heartbeat, Shutdown, Train, TrainFailed, TrainProgress
+from tide.runtime.messages import (
+    Capture,
+    Deploy,
+    DraftReady,
+    Heartbeat,
+    InstanceDone,
+    InstanceEvent,
+    InstanceReport,
+    Message,
+    Shutdown,
+    Train,
+    TrainFailed,
+    TrainProgress,
+)
 from tide.runtime.transport import Transport
 from tide.serve.engine import EngineControl, RequestResult, Window
 
@@ -48,11 +66,24 @@ class Event:
     data: dict[str, Any] = field(default_factory=dict)
 
 
+@dataclass
+class Peer:
+    """Another serving instance, as the coordinator knows it."""
+
+    seen: float  # time.time() of its last message
+    state: str = "serving"  # serving, done (its results are written) or down (no word for instance_timeout_s)
+    rows: int = 0  # rows it stored in the current collection, as last reported
+    requests: int = 0  # requests it served, from its InstanceDone
+
+
 class Coordinator:
     def __init__(self, cfg: TideConfig, engine: EngineControl, transport: Transport | None,
-                 trainer_ranks: list[int], drafts_root: str = "", resume_ns: int = 0) -> None:
+                 trainer_ranks: list[int], drafts_root: str = "", resume_ns: int = 0,
+                 instances: list[int] | None = None) -> None:
         self.cfg, self.engine, self.transport = cfg, engine, transport
         self.trainer_ranks = list(trainer_ranks)
+        self.peers = {r: Peer(time.time()) for r in instances or []}  # the other serving instances, by rank
+        self.eval_counts: dict[int, list[int]] = {}  # each trained draft's held-out histogram (for Deploy)
         self.policy = cfg.control.policy
         self.collect = CollectionGate(cfg.control.collect)
         self.rollback = RollbackGate(cfg.control.rollback, engine.gamma)
@@ -91,7 +122,9 @@ class Coordinator:
         if d.action is CollectAction.COLLECT:
             # the writer names chunks by this clock (same host); a restart picks up what it had stored
             self._since_ns, self._counted, self._resume_ns = self._resume_ns or time.time_ns(), 0, 0
-            self.engine.set_capture(True)
+            for peer in self.peers.values():
+                peer.rows = 0
+            self._sync_capture()
             self.record("collect", d.reason)
         elif d.action is CollectAction.TRAIN:
             self._train(d.reason)
@@ -101,7 +134,7 @@ class Coordinator:
         elif d.action is CollectAction.HOLD:
             self.record("hold", d.reason, d.version)
         elif d.action is CollectAction.REJECT:
-            self.engine.set_capture(False)
+            self._sync_capture()
             self.record("reject", d.reason, d.version)
 
     # ------------------------------------------------------------------ hooks
@@ -155,8 +188,13 @@ class Coordinator:
         self.record("trainer-down", f"no trainer heartbeat within {timeout:.0f} s: serving without training")
 
     def on_result(self, r: RequestResult) -> None:
-        if self.policy != "frozen" and r.speculate and sum(r.accept_counts) > 0:
-            d = self.collect.on_request(r.first_acceptance)
+        if r.speculate and sum(r.accept_counts) > 0:
+            self._acceptance(r.first_acceptance)
+
+    def _acceptance(self, first: float) -> None:
+        """One request's first-draft acceptance, from any instance: the collection gate's evidence."""
+        if self.policy != "frozen":
+            d = self.collect.on_request(first)
             if d.action is not CollectAction.WAIT:
                 self._apply(d)
 
@@ -168,13 +206,7 @@ class Coordinator:
         self._learn(w)
         if self.gate is not None:
             self._gate(w, evidence)
-        if self.collect.collecting and self.trainer_alive:
-            # counted exactly as the trainer will read: rows in chunks named since collection started
-            rows = self.engine.stored_since(self._since_ns)
-            new, self._counted = rows - self._counted, rows
-            d = self.collect.on_stored(new) if new > 0 else None
-            if d is not None and d.action is not CollectAction.WAIT:
-                self._apply(d)
+        self._count_stored()
         if evidence and self.rollback.watching:
             d = self.rollback.decide(w.position_rates())
             if d.action is RollbackAction.ROLLBACK:
@@ -186,16 +218,35 @@ class Coordinator:
             elif d.action is RollbackAction.CONFIRM:
                 self.record("confirm", d.reason, d.version)
         self._check_trainer()
+        self._check_peers()
+
+    def _count_stored(self) -> None:
+        """Counted exactly as the trainer will read: rows in chunks named since collection started, of
+        this engine and, as last reported, of every other instance."""
+        if self.collect.collecting and self.trainer_alive:
+            rows = self.engine.stored_since(self._since_ns) + sum(p.rows for p in self.peers.values())
+            new, self._counted = rows - self._counted, rows
+            d = self.collect.on_stored(new) if new > 0 else None
+            if d is not None and d.action is not CollectAction.WAIT:
+                self._apply(d)
 
     def between_steps(self, engine: EngineControl, t: float) -> None:
         if self.transport is None or t - self._last_poll < 0.1:
             return
         self._last_poll = t
+        self._poll()
+
+    def _poll(self) -> None:
+        """Beat, and act on every message that arrived."""
+        assert self.transport is not None
         if time.time() - self._beat_sent >= self.cfg.runtime.heartbeat_s:  # the trainer watches for it too
             self._beat_sent = time.time()
-            for r in self.trainer_ranks:
+            for r in [*self.trainer_ranks, *self._serving()]:
                 self.transport.send(r, Heartbeat("coordinator", self.transport.rank, self._beat_sent))
         for src, msg in self.transport.poll():
+            if src in self.peers:
+                self._from_peer(src, msg)
+                continue
             if src in self.trainer_ranks:
                 if not self.trainer_alive:
                     self.record("trainer-up", f"{type(msg).__name__} from rank {src}: the trainer is back")
@@ -212,6 +263,7 @@ class Coordinator:
                             f"{msg.train_tokens} tokens in {msg.wall_s:.0f} s", msg.version, eval_al=msg.eval_al,
                             base_al=msg.base_al, wall_s=msg.wall_s, eval_rates=new.rates(), base_rates=base.rates())
                 self.eval_al[msg.version], self.held_out[msg.version] = msg.eval_al, new
+                self.eval_counts[msg.version] = list(msg.eval_counts)
                 if self.policy == "always":
                     self.collect.on_trained(msg.version, msg.eval_al, msg.base_al)
                     self._deploy(msg.version, "policy always: deploy every trained draft")
@@ -227,6 +279,61 @@ class Coordinator:
                 self._apply(self.collect.on_training_failed(msg.reason))
             elif not isinstance(msg, Heartbeat):
                 log.warning("coordinator: unexpected %s from rank %d", type(msg).__name__, src)
+
+    # ------------------------------------------------------------------ the other serving instances
+    def _serving(self) -> list[int]:
+        return [r for r, p in self.peers.items() if p.state == "serving"]
+
+    def _tell_peers(self, msg: Message) -> None:
+        for r in self._serving():
+            self.transport.send(r, msg)  # type: ignore[union-attr]
+
+    def _from_peer(self, src: int, msg: Message) -> None:
+        peer = self.peers[src]
+        if peer.state == "down":  # it was given up: what it stored still counts, its word no longer
+            return
+        peer.seen = time.time()
+        if isinstance(msg, InstanceReport):
+            for first in msg.first_acceptance:
+                self._acceptance(first)
+            if msg.since_ns == self._since_ns:
+                peer.rows = msg.stored_rows
+        elif isinstance(msg, InstanceEvent):
+            self.record(msg.kind, f"instance {src}: {msg.reason}", None if msg.version < 0 else msg.version,
+                        instance=src)
+        elif isinstance(msg, InstanceDone):
+            peer.state, peer.requests = "done", msg.requests
+            self.record("instance-done", f"instance {src} served its {msg.requests} requests", instance=src)
+        elif not isinstance(msg, Heartbeat):
+            log.warning("coordinator: unexpected %s from instance %d", type(msg).__name__, src)
+
+    def _check_peers(self) -> None:
+        timeout = self.cfg.runtime.instance_timeout_s
+        for r in self._serving():
+            if time.time() - self.peers[r].seen > timeout:
+                self.peers[r].state = "down"
+                self.record("instance-down", f"instance {r}: no word for {timeout:.0f} s: its requests in flight are "
+                                             "lost, the other instances go on", instance=r)
+
+    def _sync_capture(self) -> None:
+        """Capture while collecting, on every instance; a collection counts chunks named from its start."""
+        on = self.collect.collecting
+        self.engine.set_capture(on)
+        self._tell_peers(Capture(on, self._since_ns))
+
+    def finish(self, stop: str = "") -> None:
+        """After this engine's workload: `stop` (non-empty) ends the other instances' workloads too; then
+        wait, still coordinating, until each is done or down."""
+        if stop:
+            self._tell_peers(Shutdown(stop))
+        if self._serving():
+            log.info("coordinator: waiting for instance(s) %s", self._serving())
+        while self._serving():
+            self._poll()
+            self._count_stored()
+            self._check_trainer()
+            self._check_peers()
+            time.sleep(0.1)
 
     # ------------------------------------------------------------------ latency model, speculation gate
     def _learn(self, w: Window) -> None:
@@ -321,7 +428,8 @@ class Coordinator:
             control = self.cfg.control  # the gates keep about speculation.min_steps of recent steps
             enough = before.steps >= min(control.rollback.window_steps, control.speculation.min_steps)
             self.rollback.watch(version, self._estimate.rates()[0], previous, before.rates()[0] if enough else None)
-        self.engine.set_capture(self.collect.collecting)
+        self._tell_peers(Deploy(version, reason, self.eval_counts.get(version, [])))
+        self._sync_capture()
 
     def _swap(self, version: int) -> bool:
         path = f"{self.drafts_root}/v{version}"

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import msgpack
 
-PROTOCOL = 4  # bump when a message changes incompatibly
+PROTOCOL = 5  # bump when a message changes incompatibly
 MAX_BYTES = 1 << 16  # the largest message is a DraftReady of a few hundred bytes; a frame above this is refused
 
 
@@ -78,7 +78,59 @@ class Join:
     key: str
 
 
-Message = Train | TrainProgress | DraftReady | TrainFailed | Heartbeat | Shutdown | Join
+# ---- between the coordinator and the other serving instances (ranks 1.. of component 0)
+
+
+@dataclass(frozen=True)
+class Capture:
+    """Coordinator -> instance: capture on or off; a collection counts the chunks named from `since_ns` on."""
+
+    on: bool
+    since_ns: int
+
+
+@dataclass(frozen=True)
+class Deploy:
+    """Coordinator -> instance: swap to draft `version` of the run's drafts dir, with its held-out walk
+    (the rollback gate's reference)."""
+
+    version: int
+    reason: str
+    eval_counts: list[int]
+
+
+@dataclass(frozen=True)
+class InstanceReport:
+    """Instance -> coordinator, once a window: the first-draft acceptance of the requests it finished
+    speculating since the last report (the collection gate merges every instance's), and the rows it
+    stored in the collection that started at `since_ns`."""
+
+    instance: int
+    first_acceptance: list[float]
+    stored_rows: int
+    since_ns: int
+
+
+@dataclass(frozen=True)
+class InstanceEvent:
+    """Instance -> coordinator: a decision the instance took on its own engine (swap, rollback, spec-off...)."""
+
+    instance: int
+    kind: str
+    reason: str
+    version: int  # -1: none
+
+
+@dataclass(frozen=True)
+class InstanceDone:
+    """Instance -> coordinator: its workload is served and its results are in the run dir."""
+
+    instance: int
+    requests: int
+
+
+Message = (Train | TrainProgress | DraftReady | TrainFailed | Heartbeat | Shutdown | Join | Capture | Deploy
+           | InstanceReport | InstanceEvent | InstanceDone)
 TYPES: dict[str, type] = {t.__name__: t for t in Message.__args__}  # type: ignore[attr-defined]
 FIELDS = {name: typing.get_type_hints(t) for name, t in TYPES.items()}
 

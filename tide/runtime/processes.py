@@ -69,4 +69,15 @@ def bind_serving(cores: str, threads: int = 0) -> None:
     itself; unpinned, its OpenMP team spreads over every core and a busy trainer core stalls each
     step. Only for a process that serves and nothing else: vLLM's process groups then live in it."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    own_gpu()
     bind_cores(cores, threads)
+
+
+def own_gpu() -> None:
+    """One GPU per serving rank: with `--gpus-per-node` every task of a node sees all of the node's
+    GPUs, and the rank keeps the one of its node-local id (SLURM_LOCALID); vLLM then uses device 0."""
+    visible = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d]
+    local = os.environ.get("SLURM_LOCALID", "")
+    if len(visible) > 1 and local.isdigit() and int(local) < len(visible):
+        os.environ["CUDA_VISIBLE_DEVICES"] = visible[int(local)]
+        log.info("serving rank on node-local id %s: GPU %s of %s", local, visible[int(local)], ",".join(visible))

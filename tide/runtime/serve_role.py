@@ -1,21 +1,27 @@
-"""The serving role on rank 0: one TideEngine under the coordinator, then the run's results."""
+"""The serving role: on rank 0 a TideEngine under the coordinator, then the run's results; on each
+further rank of component 0 one more instance (`tide.runtime.instance`) with its share of the
+workload, its results under instances/<rank>/."""
 
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import signal
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from tide.config import TideConfig, to_dict
+from tide.config.schema import UntilConfig
 from tide.draft import DraftRegistry, init_draft, save_draft
 from tide.model.files import write_json, write_jsonl
 from tide.runtime.coordinator import Coordinator, Event
+from tide.runtime.instance import Instance
+from tide.runtime.messages import InstanceDone
 from tide.runtime.results import plot_run, segment
 from tide.runtime.transport import Transport
 from tide.serve.engine import Request, RequestResult, TideEngine, Window
@@ -37,6 +43,16 @@ def ensure_draft(cfg: TideConfig, run: RunLayout) -> int:
             head = init_draft(run.target.path, run.target.layer_ids, cfg.draft.draft_vocab_size, seed=cfg.train.seed)
         save_draft(head, reg.path(0), {"version": 0, "note": cfg.draft.init or "untrained head",
                                        "target_hash": run.target.chunk_meta().target_hash})
+    return reg.latest()
+
+
+def wait_for_draft(run: RunLayout, timeout_s: float = 600.0) -> int:
+    """The newest published draft, once rank 0 has published v0 (an instance never publishes)."""
+    reg, t0 = DraftRegistry(run.drafts), time.monotonic()
+    while not reg.path(0).exists() and reg.latest() == 0:
+        if time.monotonic() - t0 > timeout_s:
+            raise TimeoutError(f"{run.drafts}: no draft v0 after {timeout_s:.0f} s (rank 0 publishes it)")
+        time.sleep(0.5)
     return reg.latest()
 
 
@@ -65,19 +81,32 @@ class Served:
     latency: dict[str, Any] | None  # the latency model at the end (start-up profile, refit while serving)
     lengths: list[int]  # the draft length of each batch size at the end
     stopped: str = ""  # the signal that ended the workload early, "" when it ran to its end
+    instances: dict[int, str] = field(default_factory=dict)  # the other serving instances: rank -> done or down
 
 
 def serve(cfg: TideConfig, run: RunLayout, segments: list[Segment], transport: Transport | None,
-          trainer_ranks: list[int], concurrency: int = 0) -> Served:
-    """Serve `segments` under a coordinator; windows, requests and events go to the run dir."""
-    run.keep_previous_results()
-    version = ensure_draft(cfg, run)
+          trainer_ranks: list[int], concurrency: int = 0, instances: list[int] | None = None,
+          leader: int | None = None) -> Served:
+    """Serve `segments` under a coordinator (with the other serving `instances`), or as an instance
+    following the coordinator on rank `leader`; windows, requests and events go to the run dir (an
+    instance's to instances/<rank>/)."""
+    out = run.out if leader is None else instance_dir(run, transport.rank)  # type: ignore[union-attr]
+    if leader is None:
+        run.keep_previous_results()
+        version = ensure_draft(cfg, run)
+    else:
+        version = wait_for_draft(run)
     engine = TideEngine(run.target, cfg.serve, run.drafts / f"v{version}", store_root=run.store,
                         chunk_tokens=cfg.store.chunk_tokens, retention_tokens=cfg.store.retention_tokens,
                         max_pending_chunks=cfg.store.max_pending_chunks, version=version, dtype=cfg.model.dtype)
-    coord = Coordinator(cfg, engine, transport, trainer_ranks, drafts_root=str(run.drafts),
-                        resume_ns=resume_point(run, version))
-    source = RequestSource(segments, coord.events, learning=bool(trainer_ranks) and cfg.control.policy != "frozen")
+    learning = cfg.control.policy != "frozen" and (bool(trainer_ranks) or leader is not None)
+    if leader is None:
+        coord = Coordinator(cfg, engine, transport, trainer_ranks, drafts_root=str(run.drafts),
+                            resume_ns=resume_point(run, version), instances=instances)
+    else:
+        coord = Instance(cfg, engine, transport, leader, str(run.drafts),  # type: ignore[arg-type]
+                         on_stop=lambda why: source.stop(why))
+    source = RequestSource(segments, coord.events, learning=learning)
     coord.wait_for_trainer(cfg.runtime.trainer_start_timeout_s)
     coord.start()
     coord.serving_starts()
@@ -101,17 +130,47 @@ def serve(cfg: TideConfig, run: RunLayout, segments: list[Segment], transport: T
         engine.flush()
         if source.stopped:
             coord.record("stop", f"{source.stopped}: the workload ended early, after the requests in flight")
+        repeated = learning and any(seg.until.active for seg in segments)  # the others repeat until told
+        coord.finish(source.stopped or ("workload done" if repeated else ""))
         process, lengths = engine.process_info(), list(engine.lengths)
     finally:
         if transport is not None:
             coord.shutdown("workload done")
         engine.close()
-    write_jsonl(run.out / "windows.jsonl", (w.to_json() for w in windows))
-    write_jsonl(run.out / "requests.jsonl", (r.to_json() for r in results))
-    write_json(run.out / "events.json", [asdict(e) for e in coord.events])
+    out.mkdir(parents=True, exist_ok=True)
+    write_jsonl(out / "windows.jsonl", (w.to_json() for w in windows))
+    write_jsonl(out / "requests.jsonl", (r.to_json() for r in results))
+    write_json(out / "events.json", [asdict(e) for e in coord.events])
     latency = coord.model.to_json() if coord.model else None
     return Served(results, windows, coord.events, source.served, source.outcomes, process, latency, lengths,
-                  source.stopped)
+                  source.stopped, {r: p.state for r, p in coord.peers.items()})
+
+
+def instance_dir(run: RunLayout, rank: int) -> Path:
+    return run.out / "instances" / str(rank)
+
+
+def instance_figures(s: Served) -> dict[str, Any]:
+    """One instance's figures: its requests, acceptance, throughput and the drafts it swapped in."""
+    seg = segment(s.results)
+    swaps = [e for e in s.events if e.kind == "swap" and "instance" not in e.data]  # its own, not reported ones
+    wall = s.windows[-1].t_end if s.windows else 0.0
+    return {"requests": len(s.results), "output_tokens": seg["tokens"], "acceptance_length": seg["acceptance_length"],
+            "output_tokens_per_s": seg["tokens"] / wall if wall > 0 else 0.0, "wall_s": wall,
+            "swaps": len(swaps), "versions": sorted({e.version for e in swaps}),
+            "speculation_on_fraction": spec_on_fraction(s.windows), "stopped": s.stopped or None}
+
+
+def instances_section(run: RunLayout, s: Served) -> dict[str, Any]:
+    """The summary's per-instance figures (the coordinator's engine first, each other instance from
+    its own summary, or only its state where it died) and their totals."""
+    rows = [{"rank": 0, "state": "coordinator", **instance_figures(s)}]
+    for rank, state in sorted(s.instances.items()):
+        path = instance_dir(run, rank) / "summary.json"
+        figures = json.loads(path.read_text())["figures"] if state == "done" and path.exists() else {}
+        rows.append({"rank": rank, "state": state, **figures})
+    total = {key: sum(r.get(key, 0) for r in rows) for key in ("requests", "output_tokens", "output_tokens_per_s")}
+    return {"spread": "round-robin", "instances": rows, "total": total}
 
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR2)  # USR2: submitit's before the time limit
@@ -158,7 +217,7 @@ def summarize(cfg: TideConfig, run: RunLayout, s: Served, nospec: dict[str, floa
     results, windows, events = s.results, s.windows, s.events
     done = sorted(results, key=lambda r: r.finish)
     start, end = segment(done[:tail]), segment(done[-tail:])
-    swaps = [e for e in events if e.kind == "swap"]
+    swaps = [e for e in events if e.kind == "swap" and "instance" not in e.data]  # this engine's
     summary = {
         "al_start": start["acceptance_length"], "al_end": end["acceptance_length"],
         "tokens_per_s_start": start["tokens_per_s"], "tokens_per_s_end": end["tokens_per_s"],
@@ -172,11 +231,12 @@ def summarize(cfg: TideConfig, run: RunLayout, s: Served, nospec: dict[str, floa
         "speculation_on_fraction": spec_on_fraction(windows),
         "eval_al_deployed": next((e.data.get("eval_al") for e in reversed(events) if e.kind == "trained"
                                   and e.version == (swaps[-1].version if swaps else None)), None),
+        **(instances_section(run, s) if s.instances else {}),
         "workload": s.workload, "serving": s.process, "latency_model": s.latency, "draft_lengths": s.lengths,
         "events": [asdict(e) for e in events], "config": to_dict(cfg),
     }
     write_json(run.out / "summary.json", summary)
-    plot_run(run.out / "acceptance.png", windows, events,
+    plot_run(run.out / "acceptance.png", windows, [e for e in events if "instance" not in e.data],
              f"{run.target.path.name}: AL {summary['al_start']:.2f} -> {summary['al_end']:.2f}, {len(swaps)} swaps")
     return summary
 
@@ -197,13 +257,32 @@ def training_state(events: list[Any]) -> str:
 
 
 def run_coordinator(cfg: TideConfig, run: RunLayout, transport: Transport | None, trainer_ranks: list[int],
-                    tail: int = 0) -> dict[str, Any]:
-    """Rank 0's whole job: serve the configured workload (on until `workload.until` holds), measure
-    the no-speculation baseline on the last `tail` requests (a fifth by default), and write
-    summary.json, windows/requests JSONL, events and the plot."""
+                    tail: int = 0, instances: list[int] | None = None) -> dict[str, Any]:
+    """Rank 0's whole job: serve the configured workload (its share, round-robin, when other serving
+    `instances` take the rest; on until `workload.until` holds), measure the no-speculation baseline
+    on the last `tail` requests (a fifth by default), and write summary.json, windows/requests JSONL,
+    events and the plot."""
+    n = 1 + len(instances or [])
     requests = build_requests(cfg.workload, run.target.path, cfg.serve.max_model_len - cfg.workload.max_tokens - 8)
-    served = serve(cfg, run, [Segment(requests, cfg.workload.until)], transport, trainer_ranks)
+    served = serve(cfg, run, [Segment(requests[::n], cfg.workload.until)], transport, trainer_ranks,
+                   instances=instances)
     tail = tail or max(1, len(served.results) // 5)
     last = [served.requests[r.request_id] for r in sorted(served.results, key=lambda r: r.finish)[-tail:]]
     nospec = nospec_rate(cfg, run, last) if cfg.workload.nospec_baseline and not served.stopped else None
     return summarize(cfg, run, served, nospec, tail)
+
+
+def run_instance(cfg: TideConfig, run: RunLayout, transport: Transport, leader: int, instances: int) -> None:
+    """A further serving rank's whole job: its round-robin share of the workload (served once, or
+    repeated until the coordinator says the run's `until` held), its results under instances/<rank>/,
+    then `InstanceDone`."""
+    rank = transport.rank
+    requests = build_requests(cfg.workload, run.target.path, cfg.serve.max_model_len - cfg.workload.max_tokens - 8)
+    until = UntilConfig(max_s=cfg.workload.until.max_s) if cfg.workload.until.active else UntilConfig()
+    served = serve(cfg, run, [Segment(requests[rank::instances], until)], transport, [], leader=leader)
+    out = instance_dir(run, rank)
+    write_json(out / "summary.json", {"rank": rank, "figures": instance_figures(served), "workload": served.workload,
+                                      "serving": served.process, "latency_model": served.latency,
+                                      "draft_lengths": served.lengths, "events": [asdict(e) for e in served.events]})
+    plot_run(out / "acceptance.png", served.windows, served.events, f"instance {rank}: {len(served.results)} requests")
+    transport.send(leader, InstanceDone(rank, len(served.results)))
