@@ -8,6 +8,7 @@ chunks, once joined by a socket pair (`tide.launch`'s local trainer) and once as
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -115,3 +116,20 @@ def test_the_summary_says_whether_training_is_degraded_or_recovered() -> None:
     assert state("trained", "train-failed") == state("trainer-down") == "degraded"
     assert state("train-failed", "train", "trained") == state("trainer-down", "trainer-up") == "recovered"
     assert state("trainer-down", "trainer-up", "trainer-down") == "degraded"
+
+
+@pytest.mark.parametrize("visible, local, kept", [
+    ("0,1,2,3,4,5,6,7", "3", "3"),  # --gpus-per-node=8, 8 tasks: each rank its own
+    ("4,5", "1", "5"),  # the node's GPUs as Slurm numbered them
+    ("2", "0", "2"),  # one GPU per task already (--gpus-per-task=1): kept
+    ("0,1", "", "0,1"),  # not under Slurm: vLLM's choice
+])
+def test_a_serving_rank_keeps_the_gpu_of_its_node_local_id(monkeypatch: pytest.MonkeyPatch, visible: str,
+                                                            local: str, kept: str) -> None:
+    """The GPU only stands in here (no GPU on this machine): what is checked is the environment vLLM reads."""
+    from tide.runtime.processes import own_gpu
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+    monkeypatch.setenv("SLURM_LOCALID", local)
+    own_gpu()
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == kept

@@ -27,6 +27,7 @@ BENCHES: dict[str, str] = {
     "adaptive-k": "workflows.bench.control:adaptive_k",
     "cpu-gemm": "workflows.bench.serving:cpu_gemm",
     "http-endpoints": "workflows.bench.endpoints:http_endpoints",
+    "serving-instances": "workflows.bench.cluster:serving_instances",
 }
 
 
