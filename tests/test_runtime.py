@@ -131,5 +131,30 @@ def test_a_serving_rank_keeps_the_gpu_of_its_node_local_id(monkeypatch: pytest.M
 
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
     monkeypatch.setenv("SLURM_LOCALID", local)
+    monkeypatch.delenv("OMPI_COMM_WORLD_LOCAL_RANK", raising=False)
     own_gpu()
     assert os.environ["CUDA_VISIBLE_DEVICES"] == kept
+
+
+def test_a_stop_signal_delivered_twice_is_one_stop_and_a_later_one_acts_as_usual(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under Slurm one stop arrives twice (slurmstepd signals the step's processes, the step guard the
+    rank's process group): the echo must not kill the run before it writes its results (a requeued
+    job's first summary was lost so in CI). A second stop later acts as usual (SIGINT here: a
+    KeyboardInterrupt, where SIGTERM would end the test process)."""
+    import signal
+
+    from tide.runtime import serve_role
+    from tide.workload import RequestSource
+
+    monkeypatch.setattr(serve_role, "ECHO_S", 0.5)
+    source = RequestSource([], [], learning=False)
+    with serve_role.stop_on_signals(source):
+        os.kill(os.getpid(), signal.SIGINT)
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.1)
+        assert source.stopped == "SIGINT"
+        time.sleep(0.5)
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.1)

@@ -11,7 +11,6 @@ socket to the coordinator, instead of MPI. A training component started again af
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import socket
 import sys
@@ -102,24 +101,21 @@ def rank(args: argparse.Namespace) -> int:
         return 0
     bind_serving(args.cores, slurm_cpus(0))
     http = server_options.from_args(args)
-    if http is not None and transport.rank > 0:
-        logging.getLogger(__name__).warning("rank %d: with --serve only rank 0 serves in this version; idle",
-                                            transport.rank)
-    elif transport.rank > 0:  # imports vLLM: after bind_serving's environment
+    leader, trainers = (None, list(range(n0, n0 + n1))) if transport.rank == 0 else (0, [])
+    if leader is None and n1:  # a training component lost later can come back
+        transport = JoinableTransport(transport, trainers, run_dir.out)
+    if http is not None:  # imports vLLM: after bind_serving's environment
+        from tide.runtime.openai_server import run_server
+
+        run_server(cfg, run_dir, transport, trainers, http, instances=list(range(1, n0)), leader=leader)
+    elif leader is not None:
         from tide.runtime.serve_role import run_instance
 
-        run_instance(cfg, run_dir, transport, leader=0, instances=n0)
+        run_instance(cfg, run_dir, transport, leader, instances=n0)
     else:
-        if n1:  # a training component lost later can come back
-            transport = JoinableTransport(transport, list(range(n0, n0 + n1)), run_dir.out)
-        if http is not None:
-            from tide.runtime.openai_server import run_server
+        from tide.runtime.serve_role import run_coordinator
 
-            run_server(cfg, run_dir, transport, list(range(n0, n0 + n1)), http)
-        else:
-            from tide.runtime.serve_role import run_coordinator
-
-            run_coordinator(cfg, run_dir, transport, list(range(n0, n0 + n1)), instances=list(range(1, n0)))
+        run_coordinator(cfg, run_dir, transport, trainers, instances=list(range(1, n0)))
     transport.close()
     return 0
 

@@ -70,10 +70,10 @@ class Event:
 class Peer:
     """Another serving instance, as the coordinator knows it."""
 
-    seen: float  # time.time() of its last message
-    state: str = "serving"  # serving, done (its results are written) or down (no word for instance_timeout_s)
+    seen: float  # time.time() of its last message (or of the coordinator's start, before its first)
+    heard: bool = False  # it has said something: until then it may still be starting its engine
+    state: str = "serving"  # serving, done (its results are written) or down (silent for too long)
     rows: int = 0  # rows it stored in the current collection, as last reported
-    requests: int = 0  # requests it served, from its InstanceDone
 
 
 class Coordinator:
@@ -292,7 +292,7 @@ class Coordinator:
         peer = self.peers[src]
         if peer.state == "down":  # it was given up: what it stored still counts, its word no longer
             return
-        peer.seen = time.time()
+        peer.seen, peer.heard = time.time(), True
         if isinstance(msg, InstanceReport):
             for first in msg.first_acceptance:
                 self._acceptance(first)
@@ -302,14 +302,18 @@ class Coordinator:
             self.record(msg.kind, f"instance {src}: {msg.reason}", None if msg.version < 0 else msg.version,
                         instance=src)
         elif isinstance(msg, InstanceDone):
-            peer.state, peer.requests = "done", msg.requests
+            peer.state = "done"
             self.record("instance-done", f"instance {src} served its {msg.requests} requests", instance=src)
         elif not isinstance(msg, Heartbeat):
             log.warning("coordinator: unexpected %s from instance %d", type(msg).__name__, src)
 
     def _check_peers(self) -> None:
-        timeout = self.cfg.runtime.instance_timeout_s
+        """An instance silent for `instance_timeout_s` is down; one never heard from gets as long as a
+        trainer gets to start (`trainer_start_timeout_s`), since its engine may start slower than ours."""
+        rt = self.cfg.runtime
         for r in self._serving():
+            timeout = rt.instance_timeout_s if self.peers[r].heard else max(rt.instance_timeout_s,
+                                                                              rt.trainer_start_timeout_s)
             if time.time() - self.peers[r].seen > timeout:
                 self.peers[r].state = "down"
                 self.record("instance-down", f"instance {r}: no word for {timeout:.0f} s: its requests in flight are "

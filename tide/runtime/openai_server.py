@@ -9,6 +9,10 @@ run dir. A request's `vllm_xargs: {"tide_workload": NAME}` labels its rows in th
 SIGTERM or SIGINT: stop accepting, give in-flight requests `grace_s` to finish (then they are
 aborted), close and flush what the worker holds, stop the trainer, write windows.jsonl,
 requests.jsonl, events.json and summary.json.
+
+In a Slurm job every rank of component 0 serves: rank 0 with the coordinator, each further rank as an
+instance (`tide.runtime.instance`) that writes its results and `endpoint.json` under instances/<rank>/.
+Ranks on one node listen on `port` + their node-local id.
 """
 
 from __future__ import annotations
@@ -21,26 +25,39 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import asdict
+from pathlib import Path
 from typing import Any
 
 from tide.config import TideConfig
 from tide.model.files import write_json, write_jsonl
 from tide.runtime.coordinator import Coordinator
+from tide.runtime.instance import Instance
 from tide.runtime.metrics import TideMetrics
-from tide.runtime.serve_role import STOP_SIGNALS, Served, ensure_draft, resume_point, summarize
+from tide.runtime.processes import node_local_id
+from tide.runtime.serve_role import (
+    STOP_SIGNALS,
+    Served,
+    ensure_draft,
+    instance_dir,
+    instance_done,
+    resume_point,
+    summarize,
+    wait_for_draft,
+)
 from tide.runtime.server_options import HttpOptions
 from tide.runtime.transport import Transport
 from tide.serve.async_engine import AsyncEngine, server_args
 from tide.serve.engine import RequestResult, TideEngine, Window
-from tide.store.layout import RunLayout
+from tide.store.layout import RunLayout, keep_previous_results
 
 log = logging.getLogger(__name__)
 
 
 def run_server(cfg: TideConfig, run: RunLayout, transport: Transport | None, trainer_ranks: list[int],
-               http: HttpOptions) -> dict[str, Any]:
-    """Serve until SIGTERM or SIGINT; returns the summary."""
-    return asyncio.run(_serve(cfg, run, transport, trainer_ranks, http))
+               http: HttpOptions, instances: list[int] | None = None, leader: int | None = None) -> dict[str, Any]:
+    """Serve until SIGTERM or SIGINT (or, as an instance, the coordinator's Shutdown); returns the
+    summary (an instance's own figures, for an instance)."""
+    return asyncio.run(_serve(cfg, run, transport, trainer_ranks, http, instances or [], leader))
 
 
 def _profile(cfg: TideConfig, run: RunLayout, draft: Any, version: int) -> Any:
@@ -93,7 +110,7 @@ class _Loop(threading.Thread):
 
 
 async def _serve(cfg: TideConfig, run: RunLayout, transport: Transport | None, trainer_ranks: list[int],
-                 http: HttpOptions) -> dict[str, Any]:
+                 http: HttpOptions, instances: list[int], leader: int | None) -> dict[str, Any]:
     import uvicorn
 
     with _root_logging_kept():  # vLLM's SageMaker routes set the root logger to ERROR on import
@@ -101,18 +118,26 @@ async def _serve(cfg: TideConfig, run: RunLayout, transport: Transport | None, t
         from vllm.entrypoints.launchers.app import build_app
         from vllm.entrypoints.launchers.launcher import NoSignalServer, setup_server, watchdog_loop
 
-    run.keep_previous_results()
-    version = ensure_draft(cfg, run)
+    out = run.out if leader is None else instance_dir(run, transport.rank)  # type: ignore[union-attr]
+    keep_previous_results(out)
+    out.mkdir(parents=True, exist_ok=True)
+    version = ensure_draft(cfg, run) if leader is None else wait_for_draft(run)
+    port = http.port + (node_local_id() or 0)  # several instances on one node
     draft = run.drafts / f"v{version}"
     model = _profile(cfg, run, draft, version)
-    args = server_args(run.target, cfg.serve, draft, cfg.model.dtype, http.host, http.port, http.served_model_name,
+    args = server_args(run.target, cfg.serve, draft, cfg.model.dtype, http.host, port, http.served_model_name,
                        ["--shutdown-timeout", str(int(http.grace_s)), *http.vllm_args])
     _, sock = setup_server(args, reuse_port=False)  # bound before the engine starts, as `vllm serve` does
     loop = asyncio.get_running_loop()
     engine = AsyncEngine(args, loop, model, version)
     stop, stopped = asyncio.Event(), list[str]()  # the signal(s) that stopped the server
-    coord = Coordinator(cfg, engine, transport, trainer_ranks, drafts_root=str(run.drafts),
-                        resume_ns=resume_point(run, version))
+    coord: Coordinator
+    if leader is None:
+        coord = Coordinator(cfg, engine, transport, trainer_ranks, drafts_root=str(run.drafts),
+                            resume_ns=resume_point(run, version), instances=instances)
+    else:
+        coord = Instance(cfg, engine, transport, leader, str(run.drafts),  # type: ignore[arg-type]
+                         on_stop=lambda why: (stopped.append(why), loop.call_soon_threadsafe(stop.set)))
     worker = _Loop(cfg, coord, engine, TideMetrics(), lambda: loop.call_soon_threadsafe(stop.set))
 
     def prepare() -> None:  # RPCs wait on this loop: run them from another thread
@@ -137,7 +162,7 @@ async def _serve(cfg: TideConfig, run: RunLayout, transport: Transport | None, t
         serving = asyncio.create_task(server.serve(sockets=[sock]))
         watchdog = asyncio.create_task(watchdog_loop(server, engine.client))  # exits uvicorn if the engine dies
         worker.start()
-        endpoint = _endpoint(run, http, args.served_model_name[0])
+        endpoint = _endpoint(out, args.host, port, args.served_model_name[0])
         log.info("server: %s (model %s); SIGTERM stops it", endpoint["url"], endpoint["model"])
         await asyncio.wait({serving, asyncio.create_task(stop.wait())}, return_when=asyncio.FIRST_COMPLETED)
         log.info("server: stopping; in-flight requests have %.0f s", http.grace_s)
@@ -152,10 +177,14 @@ async def _serve(cfg: TideConfig, run: RunLayout, transport: Transport | None, t
         engine.shutdown()
         sock.close()
     served = Served(worker.results, worker.windows, coord.events, {}, [], engine.process_info(),
-                    coord.model.to_json() if coord.model else None, list(engine.lengths), "".join(stopped[:1]))
-    write_jsonl(run.out / "windows.jsonl", (w.to_json() for w in served.windows))
-    write_jsonl(run.out / "requests.jsonl", (r.to_json() for r in served.results))
-    write_json(run.out / "events.json", [asdict(e) for e in coord.events])
+                    coord.model.to_json() if coord.model else None, list(engine.lengths), "".join(stopped[:1]),
+                    {r: p.state for r, p in coord.peers.items()})
+    write_jsonl(out / "windows.jsonl", (w.to_json() for w in served.windows))
+    write_jsonl(out / "requests.jsonl", (r.to_json() for r in served.results))
+    write_json(out / "events.json", [asdict(e) for e in coord.events])
+    if leader is not None:
+        instance_done(run, transport, leader, served)  # type: ignore[arg-type]
+        return {"rank": transport.rank}  # type: ignore[union-attr]
     return summarize(cfg, run, served, None, max(1, len(served.results) // 5))
 
 
@@ -172,6 +201,7 @@ def _finish(engine: AsyncEngine, coord: Coordinator, worker: _Loop) -> None:
     except Exception as e:
         log.warning("server: no final flush (%s): the worker flushed on its own way out", e)
     if coord.transport is not None:
+        coord.finish("server stopped")  # the other instances stop too; their results are written
         coord.shutdown("server stopped")
 
 
@@ -187,10 +217,9 @@ def _root_logging_kept() -> Iterator[None]:
             h.setLevel(lv)
 
 
-def _endpoint(run: RunLayout, http: HttpOptions, model: str) -> dict[str, Any]:
+def _endpoint(out: Path, bind: str, port: int, model: str) -> dict[str, Any]:
     """endpoint.json: where a client (or a login node, on a cluster) reaches this server."""
-    host = socket.gethostname() if http.host in ("0.0.0.0", "::", "") else http.host
-    info = {"url": f"http://{host}:{http.port}/v1", "host": host, "port": http.port, "model": model,
-            "started": time.time()}
-    write_json(run.out / "endpoint.json", info)
+    host = socket.gethostname() if bind in ("0.0.0.0", "::", "") else bind
+    info = {"url": f"http://{host}:{port}/v1", "host": host, "port": port, "model": model, "started": time.time()}
+    write_json(out / "endpoint.json", info)
     return info

@@ -73,11 +73,20 @@ def bind_serving(cores: str, threads: int = 0) -> None:
     bind_cores(cores, threads)
 
 
+def node_local_id() -> int | None:
+    """This rank's number among the ranks of its node (Slurm's, else Open MPI's), None outside both."""
+    for var in ("SLURM_LOCALID", "OMPI_COMM_WORLD_LOCAL_RANK"):
+        value = os.environ.get(var, "")
+        if value.isdigit():
+            return int(value)
+    return None
+
+
 def own_gpu() -> None:
     """One GPU per serving rank: with `--gpus-per-node` every task of a node sees all of the node's
-    GPUs, and the rank keeps the one of its node-local id (SLURM_LOCALID); vLLM then uses device 0."""
+    GPUs, and the rank keeps the one of its node-local id; vLLM then uses device 0."""
     visible = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d]
-    local = os.environ.get("SLURM_LOCALID", "")
-    if len(visible) > 1 and local.isdigit() and int(local) < len(visible):
-        os.environ["CUDA_VISIBLE_DEVICES"] = visible[int(local)]
-        log.info("serving rank on node-local id %s: GPU %s of %s", local, visible[int(local)], ",".join(visible))
+    local = node_local_id()
+    if len(visible) > 1 and local is not None and local < len(visible):
+        os.environ["CUDA_VISIBLE_DEVICES"] = visible[local]
+        log.info("serving rank on node-local id %d: GPU %s of %s", local, visible[local], ",".join(visible))

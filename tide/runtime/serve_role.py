@@ -15,8 +15,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tide.config import TideConfig, to_dict
-from tide.config.schema import UntilConfig
+from tide.config import TideConfig, UntilConfig, to_dict
 from tide.draft import DraftRegistry, init_draft, save_draft
 from tide.model.files import write_json, write_jsonl
 from tide.runtime.coordinator import Coordinator, Event
@@ -25,7 +24,7 @@ from tide.runtime.messages import InstanceDone
 from tide.runtime.results import plot_run, segment
 from tide.runtime.transport import Transport
 from tide.serve.engine import Request, RequestResult, TideEngine, Window
-from tide.store.layout import RunLayout
+from tide.store.layout import RunLayout, keep_previous_results
 from tide.workload import RequestSource, Segment, build_requests
 
 log = logging.getLogger(__name__)
@@ -91,11 +90,8 @@ def serve(cfg: TideConfig, run: RunLayout, segments: list[Segment], transport: T
     following the coordinator on rank `leader`; windows, requests and events go to the run dir (an
     instance's to instances/<rank>/)."""
     out = run.out if leader is None else instance_dir(run, transport.rank)  # type: ignore[union-attr]
-    if leader is None:
-        run.keep_previous_results()
-        version = ensure_draft(cfg, run)
-    else:
-        version = wait_for_draft(run)
+    keep_previous_results(out)
+    version = ensure_draft(cfg, run) if leader is None else wait_for_draft(run)
     engine = TideEngine(run.target, cfg.serve, run.drafts / f"v{version}", store_root=run.store,
                         chunk_tokens=cfg.store.chunk_tokens, retention_tokens=cfg.store.retention_tokens,
                         max_pending_chunks=cfg.store.max_pending_chunks, version=version, dtype=cfg.model.dtype)
@@ -174,23 +170,33 @@ def instances_section(run: RunLayout, s: Served) -> dict[str, Any]:
 
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR2)  # USR2: submitit's before the time limit
+ECHO_S = 5.0  # a stop signal this soon after the first is the same stop, delivered twice
 
 
 @contextlib.contextmanager
 def stop_on_signals(source: RequestSource) -> Iterator[None]:
     """The first SIGTERM, SIGINT or SIGUSR2 ends the workload early: no new requests, those in flight
-    finish, and the run writes its results as at a normal end. A second signal acts as usual."""
+    finish, and the run writes its results as at a normal end. Under Slurm one stop arrives twice
+    (slurmstepd signals every process of the step, and the step guard passes its own TERM on to the
+    rank's process group): a signal within ECHO_S of the first is that echo. A later one acts as usual."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
     before = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
+    first: list[float] = []
 
     def handler(signum: int, _frame: object) -> None:
         name = signal.Signals(signum).name
+        if first and time.monotonic() - first[0] < ECHO_S:
+            return
+        if first:  # a second stop: as if we had never caught the first
+            for sig, h in before.items():
+                signal.signal(sig, h)
+            signal.raise_signal(signum)
+            return
+        first.append(time.monotonic())
         log.warning("%s: no new requests; the ones in flight finish, then the results are written", name)
         source.stop(name)
-        for sig, h in before.items():
-            signal.signal(sig, h)
 
     for sig in STOP_SIGNALS:
         signal.signal(sig, handler)
@@ -256,16 +262,19 @@ def training_state(events: list[Any]) -> str:
     return "ok" if not set(bad) & set(kinds) else "degraded" if kinds[-1] in bad else "recovered"
 
 
+def main_requests(cfg: TideConfig, run: RunLayout) -> list[Request]:
+    """The main job's workload (`workload:`), the same on every serving rank (seeded)."""
+    return build_requests(cfg.workload, run.target.path, cfg.serve.max_model_len - cfg.workload.max_tokens - 8)
+
+
 def run_coordinator(cfg: TideConfig, run: RunLayout, transport: Transport | None, trainer_ranks: list[int],
                     tail: int = 0, instances: list[int] | None = None) -> dict[str, Any]:
     """Rank 0's whole job: serve the configured workload (its share, round-robin, when other serving
     `instances` take the rest; on until `workload.until` holds), measure the no-speculation baseline
     on the last `tail` requests (a fifth by default), and write summary.json, windows/requests JSONL,
     events and the plot."""
-    n = 1 + len(instances or [])
-    requests = build_requests(cfg.workload, run.target.path, cfg.serve.max_model_len - cfg.workload.max_tokens - 8)
-    served = serve(cfg, run, [Segment(requests[::n], cfg.workload.until)], transport, trainer_ranks,
-                   instances=instances)
+    share = main_requests(cfg, run)[:: 1 + len(instances or [])]
+    served = serve(cfg, run, [Segment(share, cfg.workload.until)], transport, trainer_ranks, instances=instances)
     tail = tail or max(1, len(served.results) // 5)
     last = [served.requests[r.request_id] for r in sorted(served.results, key=lambda r: r.finish)[-tail:]]
     nospec = nospec_rate(cfg, run, last) if cfg.workload.nospec_baseline and not served.stopped else None
@@ -277,10 +286,14 @@ def run_instance(cfg: TideConfig, run: RunLayout, transport: Transport, leader: 
     repeated until the coordinator says the run's `until` held), its results under instances/<rank>/,
     then `InstanceDone`."""
     rank = transport.rank
-    requests = build_requests(cfg.workload, run.target.path, cfg.serve.max_model_len - cfg.workload.max_tokens - 8)
     until = UntilConfig(max_s=cfg.workload.until.max_s) if cfg.workload.until.active else UntilConfig()
-    served = serve(cfg, run, [Segment(requests[rank::instances], until)], transport, [], leader=leader)
-    out = instance_dir(run, rank)
+    served = serve(cfg, run, [Segment(main_requests(cfg, run)[rank::instances], until)], transport, [], leader=leader)
+    instance_done(run, transport, leader, served)
+
+
+def instance_done(run: RunLayout, transport: Transport, leader: int, served: Served) -> None:
+    """An instance's summary and plot (beside its windows, requests and events), then `InstanceDone`."""
+    rank, out = transport.rank, instance_dir(run, transport.rank)
     write_json(out / "summary.json", {"rank": rank, "figures": instance_figures(served), "workload": served.workload,
                                       "serving": served.process, "latency_model": served.latency,
                                       "draft_lengths": served.lengths, "events": [asdict(e) for e in served.events]})

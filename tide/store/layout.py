@@ -15,7 +15,8 @@ from tide.model.target import Target
 
 log = logging.getLogger(__name__)
 MIN_FREE_CHUNKS = 2  # start-up refuses a store without room for this many chunks
-RESULT_FILES = ("summary.json", "events.json", "windows.jsonl", "requests.jsonl", "acceptance.png")
+# what a serving run writes to its dir (rank 0's, or an instance's instances/<rank>/), kept on a restart
+RESULT_FILES = ("summary.json", "events.json", "windows.jsonl", "requests.jsonl", "acceptance.png", "endpoint.json")
 
 
 @dataclass(frozen=True)
@@ -65,17 +66,19 @@ class RunLayout:
                         "capture will pause whenever the disk is full", self.store, free / 2**30,
                         cfg.retention_tokens, cfg.retention_tokens * row / 2**30)
 
-    def keep_previous_results(self) -> Path | None:
-        """A run started again on its dir (a restart, a requeued Slurm job) writes its results where
-        the last one wrote its own: those move to previous/<k>/ first (k = 1, 2, ...), and the store
-        and drafts stay where they are, to resume from. The dir they went to, or None."""
-        found = [self.out / name for name in RESULT_FILES if (self.out / name).exists()]
-        if not found:
-            return None
-        earlier = [int(p.name) for p in (self.out / "previous").glob("*") if p.name.isdigit()]
-        dest = self.out / "previous" / str(max(earlier, default=0) + 1)
-        dest.mkdir(parents=True)
-        for path in found:
-            path.rename(dest / path.name)
-        log.info("the last run's results (%s) moved to %s", ", ".join(p.name for p in found), dest)
-        return dest
+
+def keep_previous_results(out: Path) -> Path | None:
+    """A run started again on its dir (a restart, a requeued Slurm job) writes its results where the
+    last one wrote its own: those move to `out`/previous/<k>/ first (k = 1, 2, ...), and the store and
+    drafts stay where they are, to resume from. Each serving instance keeps its own dir's. The dir
+    they went to, or None."""
+    found = [out / name for name in RESULT_FILES if (out / name).exists()]
+    if not found:
+        return None
+    earlier = [int(p.name) for p in (out / "previous").glob("*") if p.name.isdigit()]
+    dest = out / "previous" / str(max(earlier, default=0) + 1)
+    dest.mkdir(parents=True)
+    for path in found:
+        path.rename(dest / path.name)
+    log.info("the last run's results (%s) moved to %s", ", ".join(p.name for p in found), dest)
+    return dest
