@@ -370,6 +370,7 @@ def test_a_serving_instance_dying_ends_only_itself(cluster: dict[str, str], tmp_
     job, _, out = submit_run(tmp_path, slurm={"serve": serve}, runtime={"instance_timeout_s": 5.0},
                              workload={"max_tokens": 64, "nospec_baseline": False, "until": until})
     wait_for_line(job.stderr, r"^1: .* tide.runtime.serve_role: \[ *\d+s\] AL ", 300)
+    wait_for_line(job.stderr, r"^0: .* coordinator: instance 1 is up ", 300)  # else it is still "starting"
     os.kill(rank_pid(out, 1), signal.SIGKILL)
     assert submit.wait(job, RUN_WAIT_S).state == "COMPLETED"
     err = job.stderr.read_bytes().decode()

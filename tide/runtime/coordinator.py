@@ -292,6 +292,8 @@ class Coordinator:
         peer = self.peers[src]
         if peer.state == "down":  # it was given up: what it stored still counts, its word no longer
             return
+        if not peer.heard:
+            log.info("coordinator: instance %d is up (%s)", src, type(msg).__name__)
         peer.seen, peer.heard = time.time(), True
         if isinstance(msg, InstanceReport):
             for first in msg.first_acceptance:
