@@ -223,3 +223,18 @@ def test_captured_rows_equal_recomputed_rows(engine, drafts, tiny_target):
         assert torch.allclose(captured, recomputed, rtol=2e-2, atol=2e-2), rid
         checked += 1
     assert checked == 6
+
+
+def test_a_closed_loop_reads_its_next_request_only_once_a_slot_is_free(engine, prompts) -> None:
+    """A phase of a replay (tide.workload.RequestSource) begins when its first request is admitted:
+    the replay reads a closed loop's next request once a slot is free, not one request ahead (reading
+    ahead let a cycle asked for at the end of one phase count as the next phase's, in CI)."""
+    busy: list[int] = []
+
+    def source():  # noqa: ANN202
+        for i, p in enumerate(prompts[:6]):
+            busy.append(len(engine._live))
+            yield Request(f"slot-{i}", p, 8)
+
+    results, _ = engine.replay(source(), concurrency=2, window_s=1e9)
+    assert len(results) == 6 and len(busy) == 6 and max(busy) < 2, busy

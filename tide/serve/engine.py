@@ -332,7 +332,7 @@ class TideEngine(EngineControl):
         t_start = time.perf_counter()
         now = lambda: time.perf_counter() - t_start  # noqa: E731
         source = iter(requests)
-        nxt = next(source, None)
+        nxt: Request | None = next(source, None)
         results: list[RequestResult] = []
         windows: list[Window] = []
         win = _OpenWindow(0.0)
@@ -340,10 +340,17 @@ class TideEngine(EngineControl):
         self.step_walls = []
         while nxt is not None or self._live:
             t = now()
-            while nxt is not None and (nxt.arrival is not None and nxt.arrival <= t
-                                       or nxt.arrival is None and len(self._live) < concurrency):
+            while True:
+                if nxt is _LATER and len(self._live) < concurrency:
+                    nxt = next(source, None)
+                if nxt is None or nxt is _LATER or not (nxt.arrival is not None and nxt.arrival <= t
+                                                        or nxt.arrival is None and len(self._live) < concurrency):
+                    break
                 self.submit(nxt, t)
-                nxt = next(source, None)
+                # a closed loop reads its next request once a slot is free, not before: a source that moves
+                # to its next phase (tide.workload.RequestSource) then does so when that phase's first request
+                # is admitted. A timed request is read at once, for its arrival time.
+                nxt = _LATER if nxt.arrival is None else next(source, None)
             if not self._live:  # idle until the next timed arrival; the loop's hook still runs (messages, swaps)
                 time.sleep(max(0.0, min(nxt.arrival - t, 0.05)) if nxt is not None and nxt.arrival else 0)
                 if between_steps:
@@ -381,6 +388,9 @@ def step_costs(worker: list[list[float]], walls: list[float]) -> dict[str, dict[
             entry[0] += 1
             entry[1] += secs
     return {"target": target, "draft": draft}
+
+
+_LATER = Request("", [], 0)  # replay: the next closed-loop request, read once a slot is free
 
 
 class _OpenWindow:
