@@ -31,24 +31,14 @@ from typing import Any
 from tide.config import TideConfig
 from tide.model.files import write_json, write_jsonl
 from tide.runtime.coordinator import Coordinator
-from tide.runtime.instance import Instance
 from tide.runtime.metrics import TideMetrics
 from tide.runtime.processes import node_local_id
-from tide.runtime.serve_role import (
-    STOP_SIGNALS,
-    Served,
-    ensure_draft,
-    instance_dir,
-    instance_done,
-    resume_point,
-    summarize,
-    wait_for_draft,
-)
+from tide.runtime.serve_role import STOP_SIGNALS, Served, coordinator, instance_done, serving_start, summarize
 from tide.runtime.server_options import HttpOptions
 from tide.runtime.transport import Transport
 from tide.serve.async_engine import AsyncEngine, server_args
 from tide.serve.engine import RequestResult, TideEngine, Window
-from tide.store.layout import RunLayout, keep_previous_results
+from tide.store.layout import RunLayout
 
 log = logging.getLogger(__name__)
 
@@ -118,10 +108,7 @@ async def _serve(cfg: TideConfig, run: RunLayout, transport: Transport | None, t
         from vllm.entrypoints.launchers.app import build_app
         from vllm.entrypoints.launchers.launcher import NoSignalServer, setup_server, watchdog_loop
 
-    out = run.out if leader is None else instance_dir(run, transport.rank)  # type: ignore[union-attr]
-    keep_previous_results(out)
-    out.mkdir(parents=True, exist_ok=True)
-    version = ensure_draft(cfg, run) if leader is None else wait_for_draft(run)
+    out, version = serving_start(cfg, run, transport, leader)
     port = http.port + (node_local_id() or 0)  # several instances on one node
     draft = run.drafts / f"v{version}"
     model = _profile(cfg, run, draft, version)
@@ -131,13 +118,8 @@ async def _serve(cfg: TideConfig, run: RunLayout, transport: Transport | None, t
     loop = asyncio.get_running_loop()
     engine = AsyncEngine(args, loop, model, version)
     stop, stopped = asyncio.Event(), list[str]()  # the signal(s) that stopped the server
-    coord: Coordinator
-    if leader is None:
-        coord = Coordinator(cfg, engine, transport, trainer_ranks, drafts_root=str(run.drafts),
-                            resume_ns=resume_point(run, version), instances=instances)
-    else:
-        coord = Instance(cfg, engine, transport, leader, str(run.drafts),  # type: ignore[arg-type]
-                         on_stop=lambda why: (stopped.append(why), loop.call_soon_threadsafe(stop.set)))
+    coord = coordinator(cfg, run, engine, transport, trainer_ranks, version, instances, leader,
+                        on_stop=lambda why: (stopped.append(why), loop.call_soon_threadsafe(stop.set)))
     worker = _Loop(cfg, coord, engine, TideMetrics(), lambda: loop.call_soon_threadsafe(stop.set))
 
     def prepare() -> None:  # RPCs wait on this loop: run them from another thread

@@ -10,7 +10,7 @@ import logging
 import signal
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,7 +23,7 @@ from tide.runtime.instance import Instance
 from tide.runtime.messages import InstanceDone
 from tide.runtime.results import plot_run, segment
 from tide.runtime.transport import Transport
-from tide.serve.engine import Request, RequestResult, TideEngine, Window
+from tide.serve.engine import EngineControl, Request, RequestResult, TideEngine, Window
 from tide.store.layout import RunLayout, keep_previous_results
 from tide.workload import RequestSource, Segment, build_requests
 
@@ -89,19 +89,13 @@ def serve(cfg: TideConfig, run: RunLayout, segments: list[Segment], transport: T
     """Serve `segments` under a coordinator (with the other serving `instances`), or as an instance
     following the coordinator on rank `leader`; windows, requests and events go to the run dir (an
     instance's to instances/<rank>/)."""
-    out = run.out if leader is None else instance_dir(run, transport.rank)  # type: ignore[union-attr]
-    keep_previous_results(out)
-    version = ensure_draft(cfg, run) if leader is None else wait_for_draft(run)
+    out, version = serving_start(cfg, run, transport, leader)
     engine = TideEngine(run.target, cfg.serve, run.drafts / f"v{version}", store_root=run.store,
                         chunk_tokens=cfg.store.chunk_tokens, retention_tokens=cfg.store.retention_tokens,
                         max_pending_chunks=cfg.store.max_pending_chunks, version=version, dtype=cfg.model.dtype)
     learning = cfg.control.policy != "frozen" and (bool(trainer_ranks) or leader is not None)
-    if leader is None:
-        coord = Coordinator(cfg, engine, transport, trainer_ranks, drafts_root=str(run.drafts),
-                            resume_ns=resume_point(run, version), instances=instances)
-    else:
-        coord = Instance(cfg, engine, transport, leader, str(run.drafts),  # type: ignore[arg-type]
-                         on_stop=lambda why: source.stop(why))
+    coord = coordinator(cfg, run, engine, transport, trainer_ranks, version, instances, leader,
+                        on_stop=lambda why: source.stop(why))
     source = RequestSource(segments, coord.events, learning=learning)
     coord.wait_for_trainer(cfg.runtime.trainer_start_timeout_s)
     coord.start()
@@ -133,7 +127,6 @@ def serve(cfg: TideConfig, run: RunLayout, segments: list[Segment], transport: T
         if transport is not None:
             coord.shutdown("workload done")
         engine.close()
-    out.mkdir(parents=True, exist_ok=True)
     write_jsonl(out / "windows.jsonl", (w.to_json() for w in windows))
     write_jsonl(out / "requests.jsonl", (r.to_json() for r in results))
     write_json(out / "events.json", [asdict(e) for e in coord.events])
@@ -144,6 +137,28 @@ def serve(cfg: TideConfig, run: RunLayout, segments: list[Segment], transport: T
 
 def instance_dir(run: RunLayout, rank: int) -> Path:
     return run.out / "instances" / str(rank)
+
+
+def serving_start(cfg: TideConfig, run: RunLayout, transport: Transport | None,
+                  leader: int | None) -> tuple[Path, int]:
+    """Where this serving rank writes its results (rank 0: the run dir; an instance following rank
+    `leader`: instances/<rank>/), the last run's moved to previous/<k>/ there, and the draft it starts
+    from (rank 0 publishes v0 on a first start, an instance waits for it)."""
+    out = run.out if leader is None else instance_dir(run, transport.rank)  # type: ignore[union-attr]
+    keep_previous_results(out)
+    out.mkdir(parents=True, exist_ok=True)
+    return out, ensure_draft(cfg, run) if leader is None else wait_for_draft(run)
+
+
+def coordinator(cfg: TideConfig, run: RunLayout, engine: EngineControl, transport: Transport | None,
+                trainer_ranks: list[int], version: int, instances: list[int] | None, leader: int | None,
+                on_stop: Callable[[str], None]) -> Coordinator:
+    """Rank 0's coordinator (with the other serving `instances`), or an instance following rank
+    `leader` (`on_stop`: what the coordinator's Shutdown does to its workload)."""
+    if leader is None:
+        return Coordinator(cfg, engine, transport, trainer_ranks, drafts_root=str(run.drafts),
+                           resume_ns=resume_point(run, version), instances=instances)
+    return Instance(cfg, engine, transport, leader, str(run.drafts), on_stop=on_stop)  # type: ignore[arg-type]
 
 
 def instance_figures(s: Served) -> dict[str, Any]:
