@@ -368,6 +368,10 @@ class TideEngine(EngineControl):
                 if on_window:
                     on_window(windows[-1])
                 win = _OpenWindow(now())
+        if win.steps:  # a closed loop learns that its source is done only after the last step
+            windows.append(win.close(now(), self))
+            if on_window:
+                on_window(windows[-1])
         return results, windows
 
 
