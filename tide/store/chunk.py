@@ -251,6 +251,8 @@ def read_chunk(path: Path, expect: ChunkMeta | None = None) -> list[Run]:
     runs = [Run(ids[i], tokens[lo:hi], positions[lo:hi], hidden[lo:hi], is_output[lo:hi],
                 workloads[i], float(acc[i]), int(ver[i]))
             for i, (lo, hi) in enumerate(zip(offsets[:-1], offsets[1:]))]
+    if any(not -(2**31) <= r.draft_version < 2**31 for r in runs):  # a flipped bit (tests/test_fuzz.py)
+        raise ChunkError(path, "run_draft_version", "a value outside int32's range")
     if (crc := _crc(runs, version)) != stored:
         raise ChunkError(path, "checksum", f"crc32 of the rows is {crc:#010x}, the file says {stored:#010x}",
                          "checksum")
