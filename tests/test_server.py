@@ -31,6 +31,18 @@ def metric(url: str, name: str) -> float:
     return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name))
 
 
+def wait_healthy(proc: subprocess.Popen, bases: list[str], timeout_s: float = 300) -> None:
+    """Until every server in `bases` answers /health, `proc` exits, or `timeout_s` passes."""
+    deadline = time.time() + timeout_s
+    for base in bases:
+        while time.time() < deadline and proc.poll() is None:
+            try:
+                if urllib.request.urlopen(f"{base}/health", timeout=2).status == 200:
+                    break
+            except OSError:
+                time.sleep(1)
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory, tiny_target):
     work = tmp_path_factory.mktemp("server")
@@ -45,13 +57,7 @@ def server(tmp_path_factory: pytest.TempPathFactory, tiny_target):
                             cwd=ROOT, stdout=log,
                             stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 300
-    while time.time() < deadline and proc.poll() is None:
-        try:
-            if urllib.request.urlopen(f"{base}/health", timeout=2).status == 200:
-                break
-        except OSError:
-            time.sleep(1)
+    wait_healthy(proc, [base])
     assert proc.poll() is None, (work / "server.log").read_text()[-4000:]
     yield proc, base, out
     if proc.poll() is None:
@@ -203,14 +209,7 @@ def test_every_serving_rank_of_a_job_serves_an_endpoint_of_its_own(tmp_path: Pat
                                 env={**os.environ, "SLURM_NTASKS_HET_GROUP_0": "2"})
     try:
         bases = [f"http://127.0.0.1:{port + rank}" for rank in (0, 1)]
-        deadline = time.time() + 300
-        for base in bases:
-            while time.time() < deadline and proc.poll() is None:
-                try:
-                    if urllib.request.urlopen(f"{base}/health", timeout=2).status == 200:
-                        break
-                except OSError:
-                    time.sleep(1)
+        wait_healthy(proc, bases)
         assert proc.poll() is None, (tmp_path / "mpirun.log").read_text()[-4000:]
         prompts = random_prompts(3, tiny_target.config["vocab_size"], seed=5)
         ref = greedy(tiny_target.path, prompts, MAX_TOKENS)
