@@ -91,6 +91,15 @@ def test_a_section_check_names_the_section(tmp_path: Path) -> None:
         load_config(p)
 
 
+def test_a_serving_node_needs_a_gpu_per_rank_and_tensor_parallel_shard(tmp_path: Path) -> None:
+    p = write(tmp_path, "serve:\n  tensor_parallel_size: 2\n")  # the default node: 8 ranks on 8 GPUs
+    assert one_line_error(p) == (f"{p}: slurm.serve.gpus_per_node = 8: must be >= ntasks_per_node (8) x "
+                                 "serve.tensor_parallel_size (2): each serving rank is one vLLM instance of 2 GPU(s)")
+    cfg = load_config(write(tmp_path, "serve: {tensor_parallel_size: 2}\nslurm: {serve: {ntasks_per_node: 4}}\n"))
+    assert cfg.serve.tensor_parallel_size == 2
+    assert "tensor_parallel_size" in one_line_error(write(tmp_path, "serve: {tensor_parallel_size: 0}\n"))
+
+
 @pytest.mark.parametrize("name", sorted(p.name for p in (ROOT / "configs" / "experiments").glob("*.yaml")))
 def test_shipped_experiments_load(name: str) -> None:
     from workflows.replay.runner import load_experiment

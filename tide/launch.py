@@ -36,7 +36,7 @@ def run_local(cfg: TideConfig, config: Path, out: Path, http: HttpOptions | None
     from tide.store.layout import RunLayout
 
     run = RunLayout.open(cfg, out)
-    bind_serving(cfg.runtime.serve_cores)
+    bind_serving(cfg.runtime.serve_cores, tensor_parallel_size=cfg.serve.tensor_parallel_size)
     with local_trainer(config, out, cfg.runtime.train_cores) as transport:
         if http is not None:
             from tide.runtime.openai_server import run_server

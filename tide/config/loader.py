@@ -62,7 +62,9 @@ def from_dict(cls: type[T], data: Any, source: str = "<dict>", prefix: str = "")
             fail(f"{prefix}.{name}" if prefix else name, "required value is missing")
     try:
         return cls(**kwargs)
-    except ValueError as e:  # a section's own validation (__post_init__)
+    except ValueError as e:  # a section's own validation (__post_init__); the whole config's names its fields
+        if not prefix:
+            raise ConfigError(f"{source}: {e}".replace("\n", "\\n")) from None
         fail(prefix, str(e))
 
 

@@ -225,12 +225,12 @@ class TrainConfig:
 
     ttt_depth: int = 3  # training-time-test unroll steps
     ttt_decay: float = 0.8  # loss weight of unroll step j is decay**j
-    lr: float = 2e-3
+    lr: float = 1e-3  # lr, epochs, eval_every: from the draft-recipe curve (docs/BENCHMARKS.md)
     weight_decay: float = 0.0
     warmup_frac: float = 0.05
     batch_tokens: int = 1024  # tokens per micro-batch and process
     seq_len: int = 512  # training sequences are cut to this length
-    epochs: float = 2.0
+    epochs: float = 8.0
     max_steps: int = 0  # 0 = epochs decide
     zero_stage: Literal[0, 1, 2] = 1
     precision: Literal["auto", "bf16", "fp32"] = "auto"
@@ -238,7 +238,7 @@ class TrainConfig:
     seed: int = 0
     # evaluate the held-out walk every this many steps, keep the best weights, stop after `patience`
     # evaluations without a gain (0: evaluate once, at the end)
-    eval_every: int = 0
+    eval_every: int = 100
     patience: int = 2
     prompt_loss: bool = False  # also learn to predict prompt tokens (serving drafts output tokens only)
     # captured: train on the hidden states serving captured (TIDE); recompute: regenerate them with the
@@ -259,9 +259,12 @@ class ServeConfig:
     enforce_eager: bool = True
     kv_cache_space_gib: int = 2  # VLLM_CPU_KVCACHE_SPACE on CPU
     gpu_memory_utilization: float = 0.9  # on a GPU; leave room where a trainer shares it
+    # GPUs of one serving instance (vLLM's tensor parallelism inside it); a serving rank is one instance
+    tensor_parallel_size: int = 1
     seed: int = 0
 
     def __post_init__(self) -> None:
+        check(self.tensor_parallel_size >= 1, "ServeConfig", "tensor_parallel_size", self.tensor_parallel_size, ">= 1")
         check(self.num_speculative_tokens >= 1, "ServeConfig", "num_speculative_tokens", self.num_speculative_tokens,
               ">= 1")
         for first, last, k in self.num_speculative_tokens_per_batch_size:
@@ -368,3 +371,10 @@ class TideConfig:
     control: ControlConfig = field(default_factory=ControlConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     slurm: SlurmConfig = field(default_factory=SlurmConfig)
+
+    def __post_init__(self) -> None:
+        sv, tp = self.slurm.serve, self.serve.tensor_parallel_size
+        if sv.gpus_per_node and sv.gpus_per_node < sv.ntasks_per_node * tp:
+            raise ValueError(f"slurm.serve.gpus_per_node = {sv.gpus_per_node}: must be >= ntasks_per_node "
+                             f"({sv.ntasks_per_node}) x serve.tensor_parallel_size ({tp}): each serving rank is "
+                             f"one vLLM instance of {tp} GPU(s)")

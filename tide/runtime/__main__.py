@@ -99,7 +99,7 @@ def rank(args: argparse.Namespace) -> int:
         run_trainer(cfg, run_dir, transport)
         transport.close()
         return 0
-    bind_serving(args.cores, slurm_cpus(0))
+    bind_serving(args.cores, slurm_cpus(0), cfg.serve.tensor_parallel_size)
     http = server_options.from_args(args)
     leader, trainers = (None, list(range(n0, n0 + n1))) if transport.rank == 0 else (0, [])
     if leader is None and n1:  # a training component lost later can come back

@@ -61,15 +61,16 @@ def bind_cores(spec: str, threads: int = 0) -> None:
     torch.set_num_threads(len(cores))
 
 
-def bind_serving(cores: str, threads: int = 0) -> None:
+def bind_serving(cores: str, threads: int = 0, tensor_parallel_size: int = 1) -> None:
     """This process serves on `cores` (see `bind_cores`), with vLLM's engine core in-process (uniproc
     executor): with vLLM's default engine-core process next to a worker process, the core busy-waits
     on the worker and takes a second CPU core, the trainer's. In-process, vLLM ignores
     VLLM_CPU_OMP_THREADS_BIND (only its multiprocessing executor applies it), so the process pins
     itself; unpinned, its OpenMP team spreads over every core and a busy trainer core stalls each
-    step. Only for a process that serves and nothing else: vLLM's process groups then live in it."""
+    step. Only for a process that serves and nothing else: vLLM's process groups then live in it.
+    A tensor-parallel instance's workers are vLLM's processes, on these cores and GPUs."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    own_gpu()
+    own_gpu(tensor_parallel_size)
     bind_cores(cores, threads)
 
 
@@ -82,11 +83,13 @@ def node_local_id() -> int | None:
     return None
 
 
-def own_gpu() -> None:
-    """One GPU per serving rank: with `--gpus-per-node` every task of a node sees all of the node's
-    GPUs, and the rank keeps the one of its node-local id; vLLM then uses device 0."""
+def own_gpu(tensor_parallel_size: int = 1) -> None:
+    """A serving rank's GPUs: with `--gpus-per-node` every task of a node sees all of the node's GPUs,
+    and the rank with node-local id i keeps GPUs i*tp .. i*tp + tp - 1 (tp: its instance's
+    `serve.tensor_parallel_size`); vLLM then numbers them from 0."""
     visible = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d]
-    local = node_local_id()
-    if len(visible) > 1 and local is not None and local < len(visible):
-        os.environ["CUDA_VISIBLE_DEVICES"] = visible[local]
-        log.info("serving rank on node-local id %d: GPU %s of %s", local, visible[local], ",".join(visible))
+    local, tp = node_local_id(), tensor_parallel_size
+    if len(visible) > tp and local is not None and (local + 1) * tp <= len(visible):
+        mine = visible[local * tp:(local + 1) * tp]
+        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(mine)
+        log.info("serving rank on node-local id %d: GPU %s of %s", local, ",".join(mine), ",".join(visible))

@@ -22,7 +22,7 @@ import torch
 
 from tide.config import ServeConfig, StoreConfig
 from tide.model.target import Target
-from tide.serve.engine import EXTENSION, EngineControl, RequestResult, Window, step_costs
+from tide.serve.engine import EXTENSION, EngineControl, RequestResult, Window, executor_backend, step_costs
 
 if TYPE_CHECKING:
     from tide.control import LatencyModel
@@ -41,7 +41,8 @@ def server_args(target: Target, cfg: ServeConfig, draft_dir: Path | None, dtype:
             "--max-num-batched-tokens", str(cfg.max_num_batched_tokens),
             "--gpu-memory-utilization", str(cfg.gpu_memory_utilization),
             "--no-enable-prefix-caching",  # cached prompt rows would never reach the capture hook
-            "--distributed-executor-backend", "uni"]
+            "--tensor-parallel-size", str(cfg.tensor_parallel_size),
+            "--distributed-executor-backend", executor_backend(cfg)]
     argv += ["--enforce-eager"] if cfg.enforce_eager else []
     if draft_dir is not None:  # as TideEngine: the worker picks each step's k; no async scheduling
         argv += ["--speculative-config", json.dumps(

@@ -28,6 +28,16 @@ _PROFILE_IDS = itertools.count()
 EXTENSION = "tide.serve.extension.TideWorkerExtension"
 
 
+def executor_backend(cfg: ServeConfig) -> str:
+    """vLLM's executor: in this process for one device (the worker extension's hooks then run here),
+    vLLM's worker processes for a tensor-parallel group. Those are spawned, not forked: a serving
+    process already runs OpenMP (CPU) or MPI threads, which a fork would copy mid-flight."""
+    if cfg.tensor_parallel_size == 1:
+        return "uni"
+    os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+    return "mp"
+
+
 @dataclass
 class Request:
     request_id: str
@@ -184,7 +194,7 @@ class TideEngine(EngineControl):
             # async scheduling (on by default on CUDA, off on CPU) schedules K placeholder drafts per request
             # before the worker has drafted: a step that drafts fewer (0 when speculation is off) breaks it
             async_scheduling=False if spec else None,
-            distributed_executor_backend="uni",
+            tensor_parallel_size=cfg.tensor_parallel_size, distributed_executor_backend=executor_backend(cfg),
             worker_extension_cls=EXTENSION if spec else "", disable_log_stats=True))
         self.startup_s = time.time() - t0
         self.speculative = spec is not None

@@ -106,7 +106,8 @@ class TideWorkerExtension:
         st.capture, st.speculate, st.version, st.auto_close = capture, speculate, version, auto_close
         st.target_hash = (meta or {}).get("target_hash", "")
         st.shapes = weight_shapes(self.vllm_config.speculative_config.model)  # type: ignore[attr-defined]
-        if store_root and st.writer is None:
+        # every worker of a tensor-parallel group holds the same (all-reduced) hidden states: one writes
+        if store_root and st.writer is None and getattr(self, "rank", 0) == 0:
             m = meta or {}
             st.writer = ChunkWriter(store_root, ChunkMeta(m["target_id"], m["target_hash"], int(m["hidden_size"]),
                                                           tuple(m["layer_ids"])),

@@ -90,7 +90,7 @@ def run_stage(stage: str, path: Path, out: Path, modes: tuple[str, ...]) -> None
     exp = Experiment.open(path, out)
     if stage in ("all", "base") and set(modes) - {"nospec"}:
         ensure_base_draft(exp, path)
-    bind_serving(exp.cfg.runtime.serve_cores)
+    bind_serving(exp.cfg.runtime.serve_cores, tensor_parallel_size=exp.cfg.serve.tensor_parallel_size)
     log.info("replay: %d requests in %d phases, modes %s", len(exp.requests), len(exp.spec.phases), ", ".join(modes))
     for mode in modes if stage in ("all", "mode") else ():
         log.info("replay: mode %s", mode)
