@@ -21,21 +21,23 @@ from tide.train.precision import cpu_has_bf16
 
 class Recompute:
     def __init__(self, target: Target, dtype: torch.dtype | None = None) -> None:
-        """`dtype` None: bf16 where the CPU has bf16 matmul units, else float32 (on an AVX2 CPU a
-        bf16 forward is several times slower; the baseline should run at its fastest)."""
+        """On the trainer's GPU where it has one (CUDA or ROCm), else the CPU. `dtype` None: bf16 on a
+        GPU or where the CPU has bf16 matmul units, else float32 (on an AVX2 CPU a bf16 forward is
+        several times slower; the baseline should run at its fastest)."""
         from transformers import AutoModelForCausalLM
 
-
-        dtype = dtype or (torch.bfloat16 if cpu_has_bf16() else torch.float32)
+        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" or cpu_has_bf16() else torch.float32)
         self.target = target
-        self.model = AutoModelForCausalLM.from_pretrained(target.path, dtype=dtype).eval()
+        self.model = AutoModelForCausalLM.from_pretrained(target.path, dtype=dtype).to(self.device).eval()
 
     @torch.no_grad()
     def rows(self, token_ids: list[int]) -> torch.Tensor:
-        """Aux hidden rows [len-1, k*H] (bf16) for rows 0..len-2: the last token is never an input row."""
-        ids = torch.tensor([token_ids[:-1]])
+        """Aux hidden rows [len-1, k*H] (bf16, on the host) for rows 0..len-2: the last token is never
+        an input row."""
+        ids = torch.tensor([token_ids[:-1]], device=self.device)
         hs = self.model(input_ids=ids, output_hidden_states=True).hidden_states
-        return torch.cat([hs[i][0] for i in self.target.layer_ids], -1).to(torch.bfloat16)
+        return torch.cat([hs[i][0] for i in self.target.layer_ids], -1).to(torch.bfloat16).cpu()
 
     def run(self, request_id: str, prompt_ids: list[int], output_ids: list[int], workload: str = "") -> Run:
         """The chunk run of one finished request: rows of every token but the last."""

@@ -131,7 +131,8 @@ def draft_recipe(work: Path, data: Path, quick: bool = False) -> dict[str, Any]:
     a data-efficiency curve (8k / 16k / 32k / 64k training rows; captured against recomputed hidden
     states at the same rows), then one change at a time at 32k rows: lr, epochs (with held-out early
     stopping), TTT depth, loss on prompt rows, draft vocabulary (with its token coverage). Every run
-    evaluates on the same held-out requests."""
+    evaluates on the same held-out requests. Each run's row is kept in `work`: a bench stopped
+    part-way (a time limit) goes on from the next run."""
     from tide.train import DraftTrainer
 
     target = smollm2()
@@ -141,6 +142,9 @@ def draft_recipe(work: Path, data: Path, quick: bool = False) -> dict[str, Any]:
     at = sizes[-2]
 
     def cycle(name: str, rows: int, cfg: TrainConfig, vocab: int = 8192) -> dict[str, Any]:
+        done = work / "recipe" / f"{name}.json"
+        if done.exists():
+            return json.loads(done.read_text())
         drafts = work / "drafts" / name
         shutil.rmtree(drafts, ignore_errors=True)
         t0 = time.time()
@@ -151,6 +155,9 @@ def draft_recipe(work: Path, data: Path, quick: bool = False) -> dict[str, Any]:
                "vocab": vocab, "coverage": r.vocab_coverage, "recompute_s": r.recompute_s, "wall_s": time.time() - t0,
                "first_draft_acceptance": 1 - r.counts_after[0] / max(sum(r.counts_after), 1)}
         log.info("draft-recipe: %s", row)
+        done.parent.mkdir(parents=True, exist_ok=True)
+        done.write_text(json.dumps(row))
+        shutil.rmtree(drafts, ignore_errors=True)  # only the figures are kept
         return row
 
     curve = [cycle(f"captured-{n}", n, base) for n in sizes]
@@ -160,5 +167,9 @@ def draft_recipe(work: Path, data: Path, quick: bool = False) -> dict[str, Any]:
         ("epochs-2", {"epochs": 2.0, "eval_every": 0}, 8192), ("epochs-8", {"epochs": 8.0}, 8192),
         ("ttt-1", {"ttt_depth": 1}, 8192), ("prompt-loss", {"prompt_loss": True}, 8192),
         ("vocab-4k", {}, 4096), ("vocab-16k", {}, 16384)]]
+    # the levers that lifted the curve, together, at the most rows
+    sweeps += [cycle(name, sizes[-1], dataclasses.replace(base, **change)) for name, change in [
+        ("epochs-8-at-max", {"epochs": 8.0}), ("epochs-8-lr-1e-3-at-max", {"epochs": 8.0, "lr": 1e-3}),
+        ("epochs-16-lr-1e-3-at-max", {"epochs": 16.0, "lr": 1e-3})]]
     return {"gamma": 3, "defaults": dataclasses.asdict(base), "curve": curve, "sweeps_at_rows": at, "sweeps": sweeps,
             "questions": 120 if quick else 400}
