@@ -158,11 +158,16 @@ def test_a_stop_signal_delivered_twice_is_one_stop_and_a_later_one_acts_as_usual
         signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)  # type: ignore[arg-type]
 
     monkeypatch.setattr(serve_role, "ECHO_S", 0.5)
+    # "as usual" is Python's own SIGINT handler: a module an earlier test imported may have set another
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
     source = RequestSource([], [], learning=False)
-    with serve_role.stop_on_signals(source):
-        stop()
-        stop()
-        assert source.stopped == "SIGINT"
-        time.sleep(0.6)
-        with pytest.raises(KeyboardInterrupt):
+    try:
+        with serve_role.stop_on_signals(source):
             stop()
+            stop()
+            assert source.stopped == "SIGINT"
+            time.sleep(0.6)
+            with pytest.raises(KeyboardInterrupt):
+                stop()
+    finally:
+        signal.signal(signal.SIGINT, before)
