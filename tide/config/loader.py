@@ -40,8 +40,8 @@ def load_config(path: str | Path, cls: type[T] = TideConfig) -> T:  # type: igno
 def from_dict(cls: type[T], data: Any, source: str = "<dict>", prefix: str = "") -> T:
     """Build dataclass `cls` from plain data, checking keys and types recursively."""
 
-    def fail(key_path: str, msg: str) -> typing.NoReturn:
-        line = f"{source}: {key_path or '<top>'}: {msg}"
+    def fail(key_path: str | None, msg: str) -> typing.NoReturn:  # None: `msg` names its own fields
+        line = f"{source}: {msg}" if key_path is None else f"{source}: {key_path or '<top>'}: {msg}"
         raise ConfigError(line.replace("\r", "\\r").replace("\n", "\\n"))  # one line, whatever the YAML held
 
     if not isinstance(data, dict):
@@ -63,9 +63,7 @@ def from_dict(cls: type[T], data: Any, source: str = "<dict>", prefix: str = "")
     try:
         return cls(**kwargs)
     except ValueError as e:  # a section's own validation (__post_init__); the whole config's names its fields
-        if not prefix:
-            raise ConfigError(f"{source}: {e}".replace("\n", "\\n")) from None
-        fail(prefix, str(e))
+        fail(prefix or None, str(e))
 
 
 def _coerce(tp: Any, value: Any, key_path: str, fail: Any, source: str) -> Any:

@@ -131,8 +131,8 @@ def draft_recipe(work: Path, data: Path, quick: bool = False) -> dict[str, Any]:
     a data-efficiency curve (8k / 16k / 32k / 64k training rows; captured against recomputed hidden
     states at the same rows), then one change at a time at 32k rows: lr, epochs (with held-out early
     stopping), TTT depth, loss on prompt rows, draft vocabulary (with its token coverage). Every run
-    evaluates on the same held-out requests. Each run's row is kept in `work`: a bench stopped
-    part-way (a time limit) goes on from the next run."""
+    evaluates on the same held-out requests. Each run's row is kept in `work` with what it ran: a
+    bench stopped part-way (a time limit) goes on from the next run."""
     from tide.train import DraftTrainer
 
     target = smollm2()
@@ -143,8 +143,9 @@ def draft_recipe(work: Path, data: Path, quick: bool = False) -> dict[str, Any]:
 
     def cycle(name: str, rows: int, cfg: TrainConfig, vocab: int = 8192) -> dict[str, Any]:
         done = work / "recipe" / f"{name}.json"
-        if done.exists():
-            return json.loads(done.read_text())
+        key = {"store": store.name, "rows": rows, "vocab": vocab, "train": dataclasses.asdict(cfg)}
+        if done.exists() and json.loads(done.read_text())["key"] == key:  # the same run, finished before
+            return json.loads(done.read_text())["row"]
         drafts = work / "drafts" / name
         shutil.rmtree(drafts, ignore_errors=True)
         t0 = time.time()
@@ -156,7 +157,7 @@ def draft_recipe(work: Path, data: Path, quick: bool = False) -> dict[str, Any]:
                "first_draft_acceptance": 1 - r.counts_after[0] / max(sum(r.counts_after), 1)}
         log.info("draft-recipe: %s", row)
         done.parent.mkdir(parents=True, exist_ok=True)
-        done.write_text(json.dumps(row))
+        done.write_text(json.dumps({"key": key, "row": row}))
         shutil.rmtree(drafts, ignore_errors=True)  # only the figures are kept
         return row
 
