@@ -119,6 +119,13 @@ def test_serving_refits_the_machine_speed_at_once_and_each_shape_slowly() -> Non
     assert LatencyModel.from_json(m.to_json()) == m
 
 
+def test_a_windows_step_costs_refit_decode_and_verify_steps_and_leave_prefills_out() -> None:
+    m = LatencyModel({4: 0.010, 8: 0.012}, {}, gamma=1)
+    m.observe_costs({"target": {"4": [2000, 40.0], "512": [3, 3.0]}, "draft": {"4,1": [10, 0.05]}}, most_tokens=8)
+    assert m.target_latency(4) == pytest.approx(0.020, rel=1e-3) and 512 not in m.target
+    assert m.draft[(4, 1)] * m.scale == pytest.approx(0.005)
+
+
 @pytest.mark.parametrize("kwargs, field_name", [
     (dict(target={}), "target"),
     (dict(target={1: 0.0}), "target"),

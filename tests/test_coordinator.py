@@ -270,6 +270,32 @@ def test_a_regime_trains_on_while_cycles_gain_and_stops_at_a_plateau(tmp_path: P
     engine.writer.close()
 
 
+def test_after_a_plateau_speculation_off_resumes_the_regime_with_all_its_rows(tmp_path: Path) -> None:
+    """Speculation off shows no shift: collection restarted because the live draft does not pay goes on
+    with the last regime. The next cycle waits for `n_threshold` new rows and trains on all of them
+    and the regime's earlier rows (same since_ns), as the trainer reads them."""
+    engine, transport = FakeEngine(tmp_path, gamma=1), ListTransport()
+    coord = Coordinator(config("adaptive"), engine, transport, trainer_ranks=[1], drafts_root=str(tmp_path))
+    coord.start()
+    engine.serve_chunks(3)
+    coord.on_window(window(engine, first=0.0))
+    (first,) = trains(transport)
+    transport.inbox.append((1, ready(1, 1, 1.01, 1.0)))  # no gain: a plateau ends the regime
+    coord.between_steps(engine, 1.0)
+    assert coord.events[-1].kind == "reject" and not engine.capture
+    coord.on_window(window(engine, first=0.0, steps=300))  # the live draft accepts nothing: off
+    assert engine.lengths == [0] * 5 and engine.capture and "the regime goes on" in coord.events[-1].reason
+    engine.serve_chunks(2)
+    coord.on_window(window(engine, first=0.0))
+    assert len(trains(transport)) == 1  # 200 new rows < n_threshold 250
+    engine.serve_chunks(1)
+    coord.on_window(window(engine, first=0.0))
+    second = trains(transport)[1]
+    assert second.since_ns == first.since_ns and "300/250 tokens" in second.reason
+    assert sum(len(r) for r in ChunkReader(tmp_path, META).load(since_ns=second.since_ns)) == 600
+    engine.writer.close()
+
+
 def test_the_gate_sets_the_draft_lengths_from_the_live_rates(tmp_path: Path) -> None:
     """K 3 from the start, a base draft serving and learning the live workload from the start (no
     draft has seen it); one that accepts nothing is turned off at every batch size, and the engine

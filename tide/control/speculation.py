@@ -117,6 +117,17 @@ class LatencyModel:
     def observe_draft(self, b: int, k: int, seconds: float, steps: int = 1) -> None:
         self._observe(self.draft, (b, k), self._draft(b, k), seconds, steps)  # type: ignore[arg-type]
 
+    def observe_costs(self, costs: dict[str, dict[str, list[float]]], most_tokens: int) -> None:
+        """A window's steps as `tide.serve.engine.step_costs` sums them: target steps over at most
+        `most_tokens` tokens (decode and verify; a prefill is another cost), draft passes by (b, k)."""
+        for n, (steps, seconds) in costs.get("target", {}).items():
+            if steps and int(n) <= most_tokens:
+                self.observe_target(int(n), seconds / steps, int(steps))
+        for key, (steps, seconds) in costs.get("draft", {}).items():
+            if steps:
+                b, k = (int(x) for x in key.split(","))
+                self.observe_draft(b, k, seconds / steps, int(steps))
+
     def _observe(self, table: dict, key: Any, predicted: float, seconds: float, steps: int) -> None:
         """`steps` steps at `key` took `seconds` each: the scale moves towards seconds / (table's figure),
         then the entry towards seconds / scale. An entry seen for the first time is taken as it is."""

@@ -101,7 +101,7 @@ class Coordinator:
         self.progress: TrainProgress | None = None  # of the cycle in flight
         self.trainer_seen = time.time()
         self.trainer_alive = bool(trainer_ranks)
-        self._since_ns = 0  # when the current collection started
+        self._since_ns = 0  # the current regime's start: its collections count, its cycles read chunks named since
         self._resume_ns = resume_ns  # a restarted run's first collection starts here (serve_role.resume_point)
         self._counted = 0  # rows stored since then, as last counted
         self._t0 = time.perf_counter()
@@ -118,12 +118,13 @@ class Coordinator:
         self.events.append(Event(self.now(), kind, reason, version, data))
         log.info("decision: %s%s: %s", kind, f" v{version}" if version is not None else "", reason)
 
-    def _apply(self, d: Decision) -> None:
+    def _apply(self, d: Decision, regime_goes_on: bool = False) -> None:
         if d.action is CollectAction.COLLECT:
-            # the writer names chunks by this clock (same host); a restart picks up what it had stored
-            self._since_ns, self._counted, self._resume_ns = self._resume_ns or time.time_ns(), 0, 0
-            for peer in self.peers.values():
-                peer.rows = 0
+            if not (regime_goes_on and self._since_ns):  # a new regime: the chunks named from now on
+                # the writer names chunks by this clock (same host); a restart picks up what it had stored
+                self._since_ns, self._counted, self._resume_ns = self._resume_ns or time.time_ns(), 0, 0
+                for peer in self.peers.values():
+                    peer.rows = 0
             self._sync_capture()
             self.record("collect", d.reason)
         elif d.action is CollectAction.TRAIN:
@@ -350,18 +351,12 @@ class Coordinator:
         if not costs or not costs.get("target"):
             return
         most = self.cfg.serve.max_num_seqs * (self.engine.gamma + 1)  # decode and verify steps; not prefills
-        target = {int(n): (c, s / c) for n, (c, s) in costs["target"].items() if c and int(n) <= most}
-        draft = {tuple(int(x) for x in key.split(",")): (c, s / c) for key, (c, s) in costs["draft"].items() if c}
         if self.model is None:  # no start-up profile (policy always or frozen): learn from serving alone
+            target = {int(n): s / c for n, (c, s) in costs["target"].items() if c and int(n) <= most}
             if not target:
                 return
-            self.model = LatencyModel({n: t for n, (_, t) in target.items()},
-                                      {key: t for key, (_, t) in draft.items()}, self.engine.gamma)  # type: ignore[misc]
-        else:
-            for n, (c, t) in target.items():
-                self.model.observe_target(n, t, c)
-            for (b, k), (c, t) in draft.items():  # type: ignore[misc]
-                self.model.observe_draft(b, k, t, c)
+            self.model = LatencyModel(target, {}, self.engine.gamma)
+        self.model.observe_costs(costs, most)
         now = self._figures(self.model)
         moved = [k for k, v in now.items() if abs(v - self._reported.get(k, 0.0)) > 0.1 * max(v, 1e-9)]
         if moved:
@@ -408,9 +403,12 @@ class Coordinator:
             self.engine.set_speculation(False)
 
     def _keep_learning(self) -> None:
-        """While the live draft does not pay, collect for the next cycle (when a trainer is up)."""
+        """While the live draft does not pay, collect for the next cycle (when a trainer is up). With
+        speculation off no shift can show, so the last regime goes on: its next cycle trains on all of
+        its rows (within retention) once `n_threshold` more are stored, not on those new rows alone."""
         if self.trainer_alive and not self.collect.collecting:
-            self._apply(self.collect.collect_now(f"speculation off: draft v{self.engine.version} does not pay yet"))
+            self._apply(self.collect.collect_now(f"speculation off: draft v{self.engine.version} does not pay yet; "
+                                                 "the regime goes on"), regime_goes_on=True)
 
     # ------------------------------------------------------------------ actions
     def _train(self, reason: str) -> None:

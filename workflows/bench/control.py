@@ -33,8 +33,10 @@ def _setup(work: Path, gamma: int) -> tuple[Any, Any, dict[str, Path]]:
     return cfg, target, drafts
 
 
-def _serve(eng: TideEngine, reqs: list[Request], b: int, tag: str, **hooks: Any) -> tuple[float, PositionRates, float]:
-    """(tokens/s, position rates, mean batch) of `reqs` served as a closed loop of `b`."""
+def _serve(eng: TideEngine, reqs: list[Request], b: int, tag: str, refit: LatencyModel | None = None,
+           **hooks: Any) -> tuple[float, PositionRates, float]:
+    """(tokens/s, position rates, mean batch) of `reqs` served as a closed loop of `b`; `refit` learns
+    from the steps, as the coordinator's model does while serving."""
     reqs = [Request(f"{tag}-{time.monotonic_ns()}-{r.request_id}", r.prompt_ids, r.max_tokens, None, r.workload)
             for r in reqs]
     t0 = time.perf_counter()
@@ -44,59 +46,71 @@ def _serve(eng: TideEngine, reqs: list[Request], b: int, tag: str, **hooks: Any)
     for w in wins:
         if w.rates:
             rates.merge(w.position_rates())
+        if refit is not None and w.costs:
+            refit.observe_costs(w.costs, (len(eng.lengths) - 1) * (eng.gamma + 1))  # lengths: per batch 0..max
     batch = sum(w.mean_batch * w.steps for w in wins) / max(sum(w.steps for w in wins), 1)
     return sum(len(r.output_ids) for r in res) / wall, rates, batch
 
 
-def _speedup_pairs(eng: TideEngine, reqs: list[Request], b: int, k: int, pairs: int) -> list[tuple[Any, Any]]:
+def _speedup_pairs(eng: TideEngine, reqs: list[Request], b: int, k: int, pairs: int,
+                   refit: LatencyModel) -> list[tuple[Any, Any]]:
     """Drafting k against plain decoding (speculation off), the same engine and prompts."""
 
     def on() -> tuple[float, PositionRates, float]:
         eng.set_speculation(True)
         eng.set_draft_lengths([k] * len(eng.lengths))
-        return _serve(eng, reqs, b, "on")
+        return _serve(eng, reqs, b, "on", refit)
 
     def off() -> tuple[float, PositionRates, float]:
         eng.set_speculation(False)
-        return _serve(eng, reqs, b, "off")
+        return _serve(eng, reqs, b, "off", refit)
 
     return alternating_pairs(pairs, on, off)
 
 
 def controller_accuracy(work: Path, data: Path, quick: bool = False) -> dict[str, Any]:
-    """Eq. 5, generalised, against measured speedup: the latency model of the start-up profile and the
-    live position rates predict drafting k = 1 and 3 at batch 1, 2 and 4; measured is drafting k over
-    plain decoding (speculation off), same engine, same GSM8K test prompts, in alternating pairs."""
+    """Eq. 5, generalised, against measured speedup: the live position rates and a latency model
+    predict drafting k = 1 and 3 at batch 1, 2 and 4; measured is drafting k over plain decoding
+    (speculation off), same engine, same GSM8K test prompts, in alternating pairs. Two models: the
+    start-up profile alone, and the profile refit from every step served so far (the gate's: in a
+    server it has seen the steps of the batch sizes and draft lengths it serves)."""
     cfg, target, drafts = _setup(work, 3)
     eng = TideEngine(target, cfg.serve, drafts["untrained"], dtype=cfg.model.dtype, capture=False)
     rows, pairs = [], 2 if quick else 3
     try:
         model = eng.profile(cfg.serve.max_num_seqs)
+        refit = LatencyModel.from_json(model.to_json())
         for v, (name, path) in enumerate(drafts.items()):
             eng.swap(path, v)
             for b in (1, 2, 4):
                 reqs = requests(target, data, "gsm8k", "gsm8k/test.jsonl", 2 * b, 64 if quick else 96, f"{name}{b}")
                 for k in (1, 3):
-                    runs = _speedup_pairs(eng, reqs, b, k, pairs)
+                    runs = _speedup_pairs(eng, reqs, b, k, pairs, refit)
                     rates = PositionRates(3)
                     for (_, r, _), _ in runs:
                         rates.merge(r)
                     batch = statistics.fmean(run[2] for run, _ in runs)
                     measured = [a[0] / o[0] for a, o in runs]
-                    predicted = model.speedup(batch, k, rates.expected_length(k))
-                    m = statistics.fmean(measured)
+                    m, length = statistics.fmean(measured), rates.expected_length(k)
+                    predicted = {"profile": model.speedup(batch, k, length), "refit": refit.speedup(batch, k, length)}
                     rows.append({"draft": name, "batch": b, "k": k, "mean_batch": batch, "rates": rates.rates(),
-                                 "expected_length": rates.expected_length(k), "measured": spread(measured),
-                                 "predicted_speedup": predicted, "rel_error": abs(predicted - m) / m})
+                                 "expected_length": length, "measured": spread(measured),
+                                 "predicted_speedup": predicted["refit"], "predicted_by_profile": predicted["profile"],
+                                 "rel_error": abs(predicted["refit"] - m) / m,
+                                 "rel_error_profile": abs(predicted["profile"] - m) / m})
                     print(f"{name:>10} b={b} k={k} rates {[round(x, 2) for x in rates.rates()]}: measured "
-                          f"{m:.3f}x ({min(measured):.3f}-{max(measured):.3f}) predicted {predicted:.3f}x "
-                          f"({rows[-1]['rel_error']:.1%})", flush=True)
+                          f"{m:.3f}x ({min(measured):.3f}-{max(measured):.3f}) predicted {predicted['refit']:.3f}x "
+                          f"({rows[-1]['rel_error']:.1%}; profile alone {predicted['profile']:.3f}x, "
+                          f"{rows[-1]['rel_error_profile']:.1%})", flush=True)
     finally:
         eng.close()
-    errors = [r["rel_error"] for r in rows]
-    return {"max_rel_error": max(errors), "mean_rel_error": statistics.fmean(errors), "pairs": pairs,
-            "model": model.to_json(), "rows": rows, "dtype": cfg.model.dtype,
-            "draft_step_over_target_step": model.draft_latency(1, 1) / model.target_latency(1)}
+    errors, profile_errors = [r["rel_error"] for r in rows], [r["rel_error_profile"] for r in rows]
+    return {"max_rel_error": max(errors), "mean_rel_error": statistics.fmean(errors),
+            "max_rel_error_profile": max(profile_errors), "mean_rel_error_profile": statistics.fmean(profile_errors),
+            "pairs": pairs, "model": model.to_json(), "refit_model": refit.to_json(), "rows": rows,
+            "dtype": cfg.model.dtype,
+            "draft_step_over_target_step": model.draft_latency(1, 1) / model.target_latency(1),
+            "draft_step_over_target_step_refit": refit.draft_latency(1, 1) / refit.target_latency(1)}
 
 
 def never_worse(work: Path, data: Path, quick: bool = False) -> dict[str, Any]:
@@ -133,27 +147,33 @@ def never_worse(work: Path, data: Path, quick: bool = False) -> dict[str, Any]:
 
 def off_cost(work: Path, data: Path, quick: bool = False) -> dict[str, Any]:
     """What a speculative engine costs with speculation off, against a plain engine (no speculative
-    config), batch 1: alternating pairs, capture off and on, and where the difference goes (the
-    worker's per-step split: the target's step, vLLM's engine work around it)."""
+    config), in alternating pairs on the same prompts: at batch 1 with capture off (the engine's own
+    per-step cost) and at batch 4 with capture off and on (the shift replay's setting while TIDE's
+    gate has speculation off and collection goes on)."""
     cfg, target, drafts = _setup(work, load_config(DEFAULT).serve.num_speculative_tokens)
-    reqs = requests(target, data, "humaneval", "humaneval/HumanEval.jsonl.gz", 4 if quick else 8,
-                    cfg.workload.max_tokens, "oc")
-    eng = TideEngine(target, cfg.serve, drafts["untrained"], dtype=cfg.model.dtype, store_root=work / "store")
+    eng = TideEngine(target, cfg.serve, drafts["untrained"], dtype=cfg.model.dtype, store_root=work / "store",
+                     max_pending_chunks=1 << 16)
     plain = TideEngine(target, cfg.serve, None, dtype=cfg.model.dtype)
     out: dict[str, Any] = {}
     try:
         eng.set_speculation(False)
-        for capture in (False, True):
+        for b, capture in ((1, False), (4, False), (4, True)):
+            reqs = requests(target, data, "humaneval", "humaneval/HumanEval.jsonl.gz", 2 * b if quick else 4 * b,
+                            cfg.workload.max_tokens, f"oc{b}")
             eng.set_capture(capture)
-            runs = alternating_pairs(3 if quick else 6, lambda: _serve(eng, reqs, 1, "off"),
-                          lambda: _serve(plain, reqs, 1, "plain"))
+            runs = alternating_pairs(3 if quick else 6, lambda r=reqs, b=b: _serve(eng, r, b, "off"),
+                                     lambda r=reqs, b=b: _serve(plain, r, b, "plain"))
             ratios = [o[0] / p[0] for o, p in runs]
-            out[f"capture_{'on' if capture else 'off'}"] = {"ratio_off_over_plain": statistics.fmean(ratios),
-                                                            "pairs": spread(ratios), "pair_ratios": ratios}
+            key = f"batch{b}_capture_{'on' if capture else 'off'}"
+            out[key] = {"ratio_off_over_plain": statistics.fmean(ratios), "pairs": spread(ratios),
+                        "pair_ratios": ratios, "tokens_per_s_off": statistics.fmean(o[0] for o, _ in runs),
+                        "tokens_per_s_plain": statistics.fmean(p[0] for _, p in runs), "requests": len(reqs)}
+            print(f"{key}: off/plain {out[key]['ratio_off_over_plain']:.3f} (pairs {min(ratios):.3f}-"
+                  f"{max(ratios):.3f})", flush=True)
     finally:
         eng.close()
         plain.close()
-    out["ratio_off_over_plain"] = out["capture_off"]["ratio_off_over_plain"]
+    out["ratio_off_over_plain"] = min(v["ratio_off_over_plain"] for v in out.values())
     return out
 
 
@@ -181,8 +201,10 @@ def _adaptive_row(cfg: Any, eng: TideEngine, model: LatencyModel, reqs: list[Req
     gate = SpeculationGate(cfg.control.speculation, LatencyModel.from_json(model.to_json()), cfg.serve.max_num_seqs)
     steps = [0]
 
-    def adapt(w: Any) -> None:
+    def adapt(w: Any) -> None:  # what the coordinator does with each window: refit, then decide
         steps[0] += w.steps
+        if w.costs:
+            gate.model.observe_costs(w.costs, cfg.serve.max_num_seqs * (eng.gamma + 1))
         gate.decide(SpeculationObservation(steps[0], time.monotonic(), max(w.mean_batch, 1.0),
                                            w.position_rates() if w.rates else None))
         eng.set_draft_lengths(gate.lengths)
@@ -204,6 +226,7 @@ def _adaptive_row(cfg: Any, eng: TideEngine, model: LatencyModel, reqs: list[Req
     best = max(("k1", "k2", "k3"), key=lambda k: means[k])
     default = f"k{load_config(DEFAULT).serve.num_speculative_tokens}"
     row = {"batch": b, "tokens_per_s": means, "runs": runs, "lengths": list(gate.lengths), "best_fixed": best,
+           "model": gate.model.to_json(),
            "adaptive_over_best_fixed": means["adaptive"] / means[best],
            "adaptive_over_default": means["adaptive"] / means[default]}
     print(f"b={b}: " + ", ".join(f"{k} {v:.1f}" for k, v in means.items()) +
