@@ -9,7 +9,7 @@ import shutil
 import statistics
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from tide.config import load_config
 from tide.control import LatencyModel, SpeculationGate, SpeculationObservation
@@ -33,35 +33,43 @@ def _setup(work: Path, gamma: int) -> tuple[Any, Any, dict[str, Path]]:
     return cfg, target, drafts
 
 
+class Served(NamedTuple):
+    tokens_per_s: float
+    rates: PositionRates
+    batch: float  # mean over the steps
+    prefill_share: float  # of the wall time, in steps over more tokens than a decode or verify step
+
+
 def _serve(eng: TideEngine, reqs: list[Request], b: int, tag: str, refit: LatencyModel | None = None,
-           **hooks: Any) -> tuple[float, PositionRates, float]:
-    """(tokens/s, position rates, mean batch) of `reqs` served as a closed loop of `b`; `refit` learns
-    from the steps, as the coordinator's model does while serving."""
+           **hooks: Any) -> Served:
+    """`reqs` served as a closed loop of `b`; `refit` learns from the steps, as the coordinator's
+    model does while serving."""
     reqs = [Request(f"{tag}-{time.monotonic_ns()}-{r.request_id}", r.prompt_ids, r.max_tokens, None, r.workload)
             for r in reqs]
     t0 = time.perf_counter()
     res, wins = eng.replay(reqs, concurrency=b, window_s=hooks.pop("window_s", 1e9), **hooks)
     wall = time.perf_counter() - t0
-    rates = PositionRates(max(eng.gamma, 1))
-    for w in wins:
+    rates, most, prefill_s = PositionRates(max(eng.gamma, 1)), (len(eng.lengths) - 1) * (eng.gamma + 1), 0.0
+    for w in wins:  # eng.lengths: one per batch size 0..max_num_seqs
         if w.rates:
             rates.merge(w.position_rates())
         if refit is not None and w.costs:
-            refit.observe_costs(w.costs, (len(eng.lengths) - 1) * (eng.gamma + 1))  # lengths: per batch 0..max
+            refit.observe_costs(w.costs, most)
+        prefill_s += sum(s for n, (_, s) in w.costs.get("target", {}).items() if int(n) > most)
     batch = sum(w.mean_batch * w.steps for w in wins) / max(sum(w.steps for w in wins), 1)
-    return sum(len(r.output_ids) for r in res) / wall, rates, batch
+    return Served(sum(len(r.output_ids) for r in res) / wall, rates, batch, min(prefill_s / wall, 1.0))
 
 
 def _speedup_pairs(eng: TideEngine, reqs: list[Request], b: int, k: int, pairs: int,
-                   refit: LatencyModel) -> list[tuple[Any, Any]]:
+                   refit: LatencyModel) -> list[tuple[Served, Served]]:
     """Drafting k against plain decoding (speculation off), the same engine and prompts."""
 
-    def on() -> tuple[float, PositionRates, float]:
+    def on() -> Served:
         eng.set_speculation(True)
         eng.set_draft_lengths([k] * len(eng.lengths))
         return _serve(eng, reqs, b, "on", refit)
 
-    def off() -> tuple[float, PositionRates, float]:
+    def off() -> Served:
         eng.set_speculation(False)
         return _serve(eng, reqs, b, "off", refit)
 
@@ -73,7 +81,8 @@ def controller_accuracy(work: Path, data: Path, quick: bool = False) -> dict[str
     predict drafting k = 1 and 3 at batch 1, 2 and 4; measured is drafting k over plain decoding
     (speculation off), same engine, same GSM8K test prompts, in alternating pairs. Two models: the
     start-up profile alone, and the profile refit from every step served so far (the gate's: in a
-    server it has seen the steps of the batch sizes and draft lengths it serves)."""
+    server it has seen the steps of the batch sizes and draft lengths it serves). Eq. 5 is the
+    speedup of decode steps; a run's prediction keeps its prefill time (as the plain run measured it)."""
     cfg, target, drafts = _setup(work, 3)
     eng = TideEngine(target, cfg.serve, drafts["untrained"], dtype=cfg.model.dtype, capture=False)
     rows, pairs = [], 2 if quick else 3
@@ -87,14 +96,18 @@ def controller_accuracy(work: Path, data: Path, quick: bool = False) -> dict[str
                 for k in (1, 3):
                     runs = _speedup_pairs(eng, reqs, b, k, pairs, refit)
                     rates = PositionRates(3)
-                    for (_, r, _), _ in runs:
-                        rates.merge(r)
-                    batch = statistics.fmean(run[2] for run, _ in runs)
-                    measured = [a[0] / o[0] for a, o in runs]
+                    for on, _ in runs:
+                        rates.merge(on.rates)
+                    batch = statistics.fmean(on.batch for on, _ in runs)
+                    measured = [on.tokens_per_s / off.tokens_per_s for on, off in runs]
                     m, length = statistics.fmean(measured), rates.expected_length(k)
-                    predicted = {"profile": model.speedup(batch, k, length), "refit": refit.speedup(batch, k, length)}
+                    # Eq. 5 speeds up the decode steps; the prompts' prefill (its share of the plain run) is the same
+                    prefill = statistics.fmean(off.prefill_share for _, off in runs)
+                    predicted = {name: 1 / (prefill + (1 - prefill) / lm.speedup(batch, k, length))
+                                 for name, lm in (("profile", model), ("refit", refit))}
                     rows.append({"draft": name, "batch": b, "k": k, "mean_batch": batch, "rates": rates.rates(),
-                                 "expected_length": length, "measured": spread(measured),
+                                 "expected_length": length, "prefill_share": prefill, "measured": spread(measured),
+                                 "predicted_decode_speedup": refit.speedup(batch, k, length),
                                  "predicted_speedup": predicted["refit"], "predicted_by_profile": predicted["profile"],
                                  "rel_error": abs(predicted["refit"] - m) / m,
                                  "rel_error_profile": abs(predicted["profile"] - m) / m})
@@ -136,11 +149,11 @@ def never_worse(work: Path, data: Path, quick: bool = False) -> dict[str, Any]:
     finally:
         eng.close()
         plain.close()
-    ratios = [t[0] / p[0] for t, p in runs]
+    ratios = [t.tokens_per_s / p.tokens_per_s for t, p in runs]
     off = next((e for e in coord.events if e.kind == "spec-off"), None)
     return {"ratio_vs_nospec": statistics.fmean(ratios), "pairs": spread(ratios), "pair_ratios": ratios,
-            "tokens_per_s_tide": statistics.fmean(t[0] for t, _ in runs),
-            "tokens_per_s_nospec": statistics.fmean(p[0] for _, p in runs),
+            "tokens_per_s_tide": statistics.fmean(t.tokens_per_s for t, _ in runs),
+            "tokens_per_s_nospec": statistics.fmean(p.tokens_per_s for _, p in runs),
             "spec_off_at_s": off.t if off else None, "spec_off_reason": off.reason if off else None,
             "requests_per_run": len(reqs)}
 
@@ -163,11 +176,11 @@ def off_cost(work: Path, data: Path, quick: bool = False) -> dict[str, Any]:
             eng.set_capture(capture)
             runs = alternating_pairs(3 if quick else 6, lambda r=reqs, b=b: _serve(eng, r, b, "off"),
                                      lambda r=reqs, b=b: _serve(plain, r, b, "plain"))
-            ratios = [o[0] / p[0] for o, p in runs]
+            ratios = [o.tokens_per_s / p.tokens_per_s for o, p in runs]
             key = f"batch{b}_capture_{'on' if capture else 'off'}"
             out[key] = {"ratio_off_over_plain": statistics.fmean(ratios), "pairs": spread(ratios),
-                        "pair_ratios": ratios, "tokens_per_s_off": statistics.fmean(o[0] for o, _ in runs),
-                        "tokens_per_s_plain": statistics.fmean(p[0] for _, p in runs), "requests": len(reqs)}
+                        "pair_ratios": ratios, "tokens_per_s_off": statistics.fmean(o.tokens_per_s for o, _ in runs),
+                        "tokens_per_s_plain": statistics.fmean(p.tokens_per_s for _, p in runs), "requests": len(reqs)}
             print(f"{key}: off/plain {out[key]['ratio_off_over_plain']:.3f} (pairs {min(ratios):.3f}-"
                   f"{max(ratios):.3f})", flush=True)
     finally:
@@ -212,9 +225,9 @@ def _adaptive_row(cfg: Any, eng: TideEngine, model: LatencyModel, reqs: list[Req
     def run(name: str) -> float:
         if name == "adaptive":
             eng.set_draft_lengths(gate.lengths)
-            return _serve(eng, reqs, b, name, on_window=adapt, window_s=2.0)[0]
+            return _serve(eng, reqs, b, name, on_window=adapt, window_s=2.0).tokens_per_s
         eng.set_draft_lengths([int(name[1])] * len(eng.lengths))
-        return _serve(eng, reqs, b, name)[0]
+        return _serve(eng, reqs, b, name).tokens_per_s
 
     run("adaptive")  # warm-up: the gate learns the rates (and the engine's caches warm)
     order = ["adaptive", "k1", "k2", "k3"]
