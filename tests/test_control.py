@@ -96,7 +96,8 @@ def test_latencies_interpolate_extend_and_learn() -> None:
     assert m.draft_latency(1, 2) == 0.0035 and m.draft_latency(1, 3) == pytest.approx(0.0035 * 3 / 2)
     assert m.draft_latency(4, 0) == 0.0 and m.step_cost(1, 0) == 0.030
     dip = LatencyModel({1: 0.030, 4: 0.026, 8: 0.029}, {}, 1)
-    assert dip.target_latency(4) == dip.target_latency(100) == 0.030  # a measured dip is levelled
+    assert dip.target_latency(4) == 0.026  # a measured dip is kept: some shapes do cost less on a CPU
+    assert dip.target_latency(100) == pytest.approx(0.029 + 0.003 / 4 * 92)  # the last segment, rising
 
 
 def test_serving_refits_the_machine_speed_at_once_and_each_shape_slowly() -> None:
