@@ -166,11 +166,14 @@ def test_a_bad_draft_is_refused_before_the_swap_and_serving_goes_on(engine, draf
     assert got == {k: reference[k] for k in got} and all(r.draft_version == live for r in res)
 
 
-def test_lossless_when_the_draft_length_changes_every_step(engine, drafts, prompts, reference):
+@pytest.mark.parametrize("capture", [True, False])
+def test_lossless_when_the_draft_length_changes_every_step(engine, drafts, prompts, reference, capture):
     """k cycles 3, 0, 1, 2 from one step to the next, at every batch size: each step drafts exactly
-    that many tokens (the position rates show it) and the greedy output stays the plain engine's."""
+    that many tokens (the position rates show it) and the greedy output stays the plain engine's.
+    Without capture a step after k = 0 skips vLLM's drafter and its rejection sampler."""
     _, reg = drafts
     engine.swap(reg.path(1), 1)
+    engine.set_capture(capture)
     seen = []
 
     def next_length(eng, t):
@@ -182,6 +185,7 @@ def test_lossless_when_the_draft_length_changes_every_step(engine, drafts, promp
         res, windows = engine.replay(requests(prompts[:8], "k"), concurrency=2, between_steps=next_length)
     finally:
         engine.set_draft_lengths([3] * len(engine.lengths))
+        engine.set_capture(True)
     got = outputs(res)
     assert got == {k: reference[k] for k in got}
     tried = [sum(w.rates["tried"][j] for w in windows) for j in range(3)]

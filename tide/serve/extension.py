@@ -6,6 +6,9 @@ arguments only: no pickled callables, no insecure serialization; bulk data moves
 
 Hook points (vLLM 0.32, see the seam notes):
 - `runner.execute_model`: marks the start of a step (its scheduled tokens and batch size).
+- `runner._sample`: a step in which no request verifies drafts samples as a plain engine does (vLLM
+  would take it through the rejection sampler, since a speculative engine always builds spec-decode
+  metadata).
 - `runner.propose_draft_token_ids` (outer): per-step accepted counts from `sampled_token_ids`
   (-1 marks rejected slots), per request and per draft position; picks this step's draft length k
   from the batch size (`lengths[b]`, set by the speculation gate); times the step.
@@ -14,9 +17,12 @@ Hook points (vLLM 0.32, see the seam notes):
   its last `num_rejected[i]` rows are rejected drafts. Kept: prompt rows and accepted rows. It then
   drafts k tokens: vLLM's proposer runs exactly k passes when given `num_speculative_tokens=k`
   (the scheduler and the rejection sampler take any count up to K per request). With k = 0 it
-  returns no drafts without running the draft at all, so "off" costs what plain decoding costs. The
-  price: the draft's KV cache misses the positions decoded while off, so requests that span a switch
-  back on draft a little worse until they finish (verification keeps the output exact either way).
+  returns no drafts without running the draft at all; with k = 0 and capture off the outer hook
+  returns before vLLM prepares the drafter's inputs, so "off" costs what plain decoding costs up to
+  what vLLM's runner and engine core do for any speculative config (spec-decode metadata, the aux
+  hidden-state outputs, fetching the empty draft ids: ~0.2 ms a step on CPU). The price of k = 0:
+  the draft's KV cache misses the positions decoded while off, so requests that span a switch back
+  on draft a little worse until they finish (verification keeps the output exact either way).
 
 Each step's cost is split into the target's part (the step without the draft) and the draft's, by
 the number of scheduled tokens and by (batch, k): the observations the latency model learns from.
@@ -119,6 +125,7 @@ class TideWorkerExtension:
     def _tide_wrap(self, runner: Any) -> None:
         st = self._tide
         execute_orig = runner.execute_model
+        sample_orig = runner._sample
         outer_orig = runner.propose_draft_token_ids
         propose_orig = runner.drafter.propose
         sync = _synchronizer(runner.device)
@@ -132,10 +139,17 @@ class TideWorkerExtension:
             st.draft_s = 0.0
             return execute_orig(scheduler_output, *args, **kwargs)
 
+        def sample(logits, spec_decode_metadata):
+            # vLLM builds spec-decode metadata for every step of a speculative engine and then samples
+            # through the rejection sampler, drafts or none: a step without drafts samples as a plain one
+            if spec_decode_metadata is not None and spec_decode_metadata.max_spec_len == 0:
+                spec_decode_metadata = None
+            return sample_orig(logits, spec_decode_metadata)
+
         def outer(scheduler_output, sampled_token_ids, sampling_metadata, hidden_states, sample_hidden_states,
                   aux_hidden_states, spec_decode_metadata, common_attn_metadata, slot_mappings):
             req_ids = runner.input_batch.req_ids
-            if spec_decode_metadata is None:  # one token per request, no -1 slots
+            if spec_decode_metadata is None or spec_decode_metadata.max_spec_len == 0:  # one token each
                 st.generated += len(req_ids)
             else:  # some request verified drafts this step
                 valid = (sampled_token_ids != -1).sum(1).tolist()  # [n] = 1 + accepted
@@ -151,9 +165,12 @@ class TideWorkerExtension:
                 for rid in req_ids:
                     st.started.setdefault(rid, st.step_start_wall)
             st.k_next = st.lengths[min(b, len(st.lengths) - 1)] if st.speculate else 0
-            out = outer_orig(scheduler_output, sampled_token_ids, sampling_metadata, hidden_states,
-                             sample_hidden_states, aux_hidden_states, spec_decode_metadata,
-                             common_attn_metadata, slot_mappings)
+            if st.k_next == 0 and not st.capture:  # nothing to draft or keep: skip vLLM's drafter inputs
+                out = torch.empty(b, 0, dtype=torch.int64, device=hidden_states.device)
+            else:
+                out = outer_orig(scheduler_output, sampled_token_ids, sampling_metadata, hidden_states,
+                                 sample_hidden_states, aux_hidden_states, spec_decode_metadata,
+                                 common_attn_metadata, slot_mappings)
             sync()
             took = time.perf_counter() - st.step_start
             st.step_costs.append([st.step_tokens, b, st.k_next, took - st.draft_s, st.draft_s])
@@ -174,6 +191,7 @@ class TideWorkerExtension:
             return drafts
 
         runner.execute_model = execute_model
+        runner._sample = sample
         runner.propose_draft_token_ids = outer
         runner.drafter.propose = propose
 
