@@ -1,6 +1,7 @@
 """The speculation gate against measured serving: `controller-accuracy`, `never-worse`, `off-cost`
 and `adaptive-k`. Every comparison runs in alternating pairs (the order flipped every pair, so that
-drift cancels) on the same prompts and cores; each figure comes with its per-pair spread."""
+drift cancels; off-cost alternates single steps) on the same prompts and cores; each figure comes
+with its per-pair spread."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from tide.config import load_config
 from tide.control import LatencyModel, SpeculationGate, SpeculationObservation
 from tide.draft import DraftRegistry, init_draft, save_draft
 from tide.draft.acceptance import PositionRates
+from tide.runtime.processes import bind_serving
 from tide.serve.engine import Request, TideEngine
 from workflows.bench.common import DEFAULT, alternating_pairs, base_draft, requests, smollm2, spread
 
@@ -160,9 +162,12 @@ def never_worse(work: Path, data: Path, quick: bool = False) -> dict[str, Any]:
 
 def off_cost(work: Path, data: Path, quick: bool = False) -> dict[str, Any]:
     """What a speculative engine costs with speculation off, against a plain engine (no speculative
-    config), in alternating pairs on the same prompts: at batch 1 with capture off (the engine's own
-    per-step cost) and at batch 4 with capture off and on (the shift replay's setting while TIDE's
-    gate has speculation off and collection goes on)."""
+    config): at batch 1 with capture off (the engine's own per-step cost) and at batch 4 with capture
+    off and on (the shift replay's setting while TIDE's gate has speculation off and collection goes
+    on). Both engines serve in this process on core 0, as TIDE serves (`bind_serving`), and step in
+    turn on the same requests: every step of one has a step of the same shape of the other beside it
+    in time, so the machine's drift, which moves whole runs by ~10% here, cancels step by step."""
+    bind_serving(load_config(DEFAULT).runtime.serve_cores)
     cfg, target, drafts = _setup(work, load_config(DEFAULT).serve.num_speculative_tokens)
     eng = TideEngine(target, cfg.serve, drafts["untrained"], dtype=cfg.model.dtype, store_root=work / "store",
                      max_pending_chunks=1 << 16)
@@ -171,23 +176,45 @@ def off_cost(work: Path, data: Path, quick: bool = False) -> dict[str, Any]:
     try:
         eng.set_speculation(False)
         for b, capture in ((1, False), (4, False), (4, True)):
-            reqs = requests(target, data, "humaneval", "humaneval/HumanEval.jsonl.gz", 2 * b if quick else 4 * b,
+            reqs = requests(target, data, "humaneval", "humaneval/HumanEval.jsonl.gz", 2 * b if quick else 8 * b,
                             cfg.workload.max_tokens, f"oc{b}")
             eng.set_capture(capture)
-            runs = alternating_pairs(3 if quick else 6, lambda r=reqs, b=b: _serve(eng, r, b, "off"),
-                                     lambda r=reqs, b=b: _serve(plain, r, b, "plain"))
-            ratios = [o.tokens_per_s / p.tokens_per_s for o, p in runs]
+            off, on = _lockstep((eng, plain), reqs, b)
+            diffs = [a - p for a, p in zip(off, on)]
             key = f"batch{b}_capture_{'on' if capture else 'off'}"
-            out[key] = {"ratio_off_over_plain": statistics.fmean(ratios), "pairs": spread(ratios),
-                        "pair_ratios": ratios, "tokens_per_s_off": statistics.fmean(o.tokens_per_s for o, _ in runs),
-                        "tokens_per_s_plain": statistics.fmean(p.tokens_per_s for _, p in runs), "requests": len(reqs)}
-            print(f"{key}: off/plain {out[key]['ratio_off_over_plain']:.3f} (pairs {min(ratios):.3f}-"
-                  f"{max(ratios):.3f})", flush=True)
+            out[key] = {"ratio_off_over_plain": sum(on) / sum(off), "steps": len(off),
+                        "step_ms_off": 1e3 * statistics.median(off), "step_ms_plain": 1e3 * statistics.median(on),
+                        "paired_step_diff_ms": {k: 1e3 * v for k, v in spread(diffs).items()},
+                        "requests": len(reqs)}
+            print(f"{key}: off/plain {out[key]['ratio_off_over_plain']:.3f} over {len(off)} step pairs; median step "
+                  f"{out[key]['step_ms_off']:.2f} vs {out[key]['step_ms_plain']:.2f} ms, paired difference "
+                  f"{1e3 * statistics.median(diffs):.2f} ms", flush=True)
     finally:
         eng.close()
         plain.close()
     out["ratio_off_over_plain"] = min(v["ratio_off_over_plain"] for v in out.values())
     return out
+
+
+def _lockstep(engines: tuple[TideEngine, TideEngine], reqs: list[Request], b: int) -> tuple[list[float], ...]:
+    """Both engines serve `reqs` as a closed loop of `b`, one step each in turn (the order flipped every
+    step): the wall of every step of each. Greedy outputs are equal, so step i has the same batch and
+    tokens on both."""
+    todo = [[Request(f"ls{j}-{time.monotonic_ns()}-{r.request_id}", r.prompt_ids, r.max_tokens, None, r.workload)
+             for r in reqs] for j in (0, 1)]
+    live, walls = [0, 0], ([], [])  # type: ignore[var-annotated]
+    t0 = time.perf_counter()
+    now = lambda: time.perf_counter() - t0  # noqa: E731
+    while any(todo) or any(live):
+        for j in (0, 1) if len(walls[0]) % 2 == 0 else (1, 0):
+            while todo[j] and live[j] < b:
+                engines[j].submit(todo[j].pop(0), now())
+                live[j] += 1
+            if live[j]:
+                start = time.perf_counter()
+                live[j] -= len(engines[j].step(now)[2])
+                walls[j].append(time.perf_counter() - start)
+    return walls
 
 
 def adaptive_k(work: Path, data: Path, quick: bool = False) -> dict[str, Any]:
