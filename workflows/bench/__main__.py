@@ -25,6 +25,7 @@ BENCHES: dict[str, str] = {
     "never-worse": "workflows.bench.control:never_worse",
     "off-cost": "workflows.bench.control:off_cost",
     "adaptive-k": "workflows.bench.control:adaptive_k",
+    "draft-pass": "workflows.bench.draft_pass:draft_pass",
     "cpu-gemm": "workflows.bench.serving:cpu_gemm",
     "http-endpoints": "workflows.bench.endpoints:http_endpoints",
     "serving-instances": "workflows.bench.cluster:serving_instances",
