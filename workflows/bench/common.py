@@ -1,16 +1,22 @@
-"""What several benches share: the SmolLM2 target, the embedded default config, seeded requests,
-alternating pairs and their spread."""
+"""What several benches share: the SmolLM2 target, the embedded default config and its drafts, seeded
+requests, closed-loop serving, alternating pairs and their spread."""
 
 from __future__ import annotations
 
+import dataclasses
+import shutil
 import statistics
+import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
-from tide.config import WorkloadConfig
+from tide.config import WorkloadConfig, load_config
+from tide.control import LatencyModel
+from tide.draft import DraftRegistry, init_draft, save_draft
+from tide.draft.acceptance import PositionRates
 from tide.model.target import Target
-from tide.serve.engine import Request
+from tide.serve.engine import Request, TideEngine
 from tide.workload import build_requests
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -52,3 +58,44 @@ def alternating_pairs(n: int, first: Callable[[], Any], second: Callable[[], Any
 def spread(values: list[float]) -> dict[str, float]:
     return {"mean": statistics.fmean(values), "median": statistics.median(values), "min": min(values),
             "max": max(values)}
+
+
+def default_setup(work: Path, gamma: int) -> tuple[Any, Any, dict[str, Path]]:
+    """The embedded default's config (serving `gamma` drafts at most), its target, and the drafts to
+    compare: an untrained head and, when built, the base draft."""
+    cfg, target = load_config(DEFAULT), smollm2()
+    cfg = dataclasses.replace(cfg, serve=dataclasses.replace(cfg.serve, num_speculative_tokens=gamma))
+    shutil.rmtree(work, ignore_errors=True)
+    v0 = DraftRegistry(work / "drafts").path(0)
+    save_draft(init_draft(target.path, target.layer_ids, cfg.draft.draft_vocab_size), v0)
+    drafts = {"untrained": v0}
+    if base_draft() is not None:
+        drafts["base"] = base_draft()
+    return cfg, target, drafts
+
+
+class Served(NamedTuple):
+    tokens_per_s: float
+    rates: PositionRates
+    batch: float  # mean over the steps
+    prefill_share: float  # of the wall time, in steps over more tokens than a decode or verify step
+
+
+def serve_closed_loop(eng: TideEngine, reqs: list[Request], b: int, tag: str, refit: LatencyModel | None = None,
+           **hooks: Any) -> Served:
+    """`reqs` served as a closed loop of `b`; `refit` learns from the steps, as the coordinator's
+    model does while serving."""
+    reqs = [Request(f"{tag}-{time.monotonic_ns()}-{r.request_id}", r.prompt_ids, r.max_tokens, None, r.workload)
+            for r in reqs]
+    t0 = time.perf_counter()
+    res, wins = eng.replay(reqs, concurrency=b, window_s=hooks.pop("window_s", 1e9), **hooks)
+    wall = time.perf_counter() - t0
+    rates, most, prefill_s = PositionRates(max(eng.gamma, 1)), (len(eng.lengths) - 1) * (eng.gamma + 1), 0.0
+    for w in wins:  # eng.lengths: one per batch size 0..max_num_seqs
+        if w.rates:
+            rates.merge(w.position_rates())
+        if refit is not None and w.costs:
+            refit.observe_costs(w.costs, most)
+        prefill_s += sum(s for n, (_, s) in w.costs.get("target", {}).items() if int(n) > most)
+    batch = sum(w.mean_batch * w.steps for w in wins) / max(sum(w.steps for w in wins), 1)
+    return Served(sum(len(r.output_ids) for r in res) / wall, rates, batch, min(prefill_s / wall, 1.0))

@@ -5,61 +5,25 @@ with its per-pair spread."""
 
 from __future__ import annotations
 
-import dataclasses
-import shutil
 import statistics
 import time
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 from tide.config import load_config
 from tide.control import LatencyModel, SpeculationGate, SpeculationObservation
-from tide.draft import DraftRegistry, init_draft, save_draft
 from tide.draft.acceptance import PositionRates
 from tide.runtime.processes import bind_serving
 from tide.serve.engine import Request, TideEngine
-from workflows.bench.common import DEFAULT, alternating_pairs, base_draft, requests, smollm2, spread
-
-
-def _setup(work: Path, gamma: int) -> tuple[Any, Any, dict[str, Path]]:
-    """The embedded default's config (serving `gamma` drafts at most), its target, and the drafts to
-    compare: an untrained head and, when built, the base draft."""
-    cfg, target = load_config(DEFAULT), smollm2()
-    cfg = dataclasses.replace(cfg, serve=dataclasses.replace(cfg.serve, num_speculative_tokens=gamma))
-    shutil.rmtree(work, ignore_errors=True)
-    v0 = DraftRegistry(work / "drafts").path(0)
-    save_draft(init_draft(target.path, target.layer_ids, cfg.draft.draft_vocab_size), v0)
-    drafts = {"untrained": v0}
-    if base_draft() is not None:
-        drafts["base"] = base_draft()
-    return cfg, target, drafts
-
-
-class Served(NamedTuple):
-    tokens_per_s: float
-    rates: PositionRates
-    batch: float  # mean over the steps
-    prefill_share: float  # of the wall time, in steps over more tokens than a decode or verify step
-
-
-def _serve(eng: TideEngine, reqs: list[Request], b: int, tag: str, refit: LatencyModel | None = None,
-           **hooks: Any) -> Served:
-    """`reqs` served as a closed loop of `b`; `refit` learns from the steps, as the coordinator's
-    model does while serving."""
-    reqs = [Request(f"{tag}-{time.monotonic_ns()}-{r.request_id}", r.prompt_ids, r.max_tokens, None, r.workload)
-            for r in reqs]
-    t0 = time.perf_counter()
-    res, wins = eng.replay(reqs, concurrency=b, window_s=hooks.pop("window_s", 1e9), **hooks)
-    wall = time.perf_counter() - t0
-    rates, most, prefill_s = PositionRates(max(eng.gamma, 1)), (len(eng.lengths) - 1) * (eng.gamma + 1), 0.0
-    for w in wins:  # eng.lengths: one per batch size 0..max_num_seqs
-        if w.rates:
-            rates.merge(w.position_rates())
-        if refit is not None and w.costs:
-            refit.observe_costs(w.costs, most)
-        prefill_s += sum(s for n, (_, s) in w.costs.get("target", {}).items() if int(n) > most)
-    batch = sum(w.mean_batch * w.steps for w in wins) / max(sum(w.steps for w in wins), 1)
-    return Served(sum(len(r.output_ids) for r in res) / wall, rates, batch, min(prefill_s / wall, 1.0))
+from workflows.bench.common import (
+    DEFAULT,
+    Served,
+    alternating_pairs,
+    default_setup,
+    requests,
+    serve_closed_loop,
+    spread,
+)
 
 
 def _speedup_pairs(eng: TideEngine, reqs: list[Request], b: int, k: int, pairs: int,
@@ -69,11 +33,11 @@ def _speedup_pairs(eng: TideEngine, reqs: list[Request], b: int, k: int, pairs: 
     def on() -> Served:
         eng.set_speculation(True)
         eng.set_draft_lengths([k] * len(eng.lengths))
-        return _serve(eng, reqs, b, "on", refit)
+        return serve_closed_loop(eng, reqs, b, "on", refit)
 
     def off() -> Served:
         eng.set_speculation(False)
-        return _serve(eng, reqs, b, "off", refit)
+        return serve_closed_loop(eng, reqs, b, "off", refit)
 
     return alternating_pairs(pairs, on, off)
 
@@ -85,7 +49,7 @@ def controller_accuracy(work: Path, data: Path, quick: bool = False) -> dict[str
     start-up profile alone, and the profile refit from every step served so far (the gate's: in a
     server it has seen the steps of the batch sizes and draft lengths it serves). Eq. 5 is the
     speedup of decode steps; a run's prediction keeps its prefill time (as the plain run measured it)."""
-    cfg, target, drafts = _setup(work, 3)
+    cfg, target, drafts = default_setup(work, 3)
     eng = TideEngine(target, cfg.serve, drafts["untrained"], dtype=cfg.model.dtype, capture=False)
     rows, pairs = [], 2 if quick else 3
     try:
@@ -135,7 +99,7 @@ def never_worse(work: Path, data: Path, quick: bool = False) -> dict[str, Any]:
     the seconds before the untrained draft is turned off."""
     from tide.runtime.coordinator import Coordinator
 
-    cfg, target, drafts = _setup(work, load_config(DEFAULT).serve.num_speculative_tokens)
+    cfg, target, drafts = default_setup(work, load_config(DEFAULT).serve.num_speculative_tokens)
     reqs = requests(target, data, "humaneval", "humaneval/HumanEval.jsonl.gz", 8 if quick else 16,
                     cfg.workload.max_tokens, "nw")
     eng = TideEngine(target, cfg.serve, drafts["untrained"], dtype=cfg.model.dtype, capture=False)
@@ -146,8 +110,8 @@ def never_worse(work: Path, data: Path, quick: bool = False) -> dict[str, Any]:
         coord.serving_starts()
         hooks = dict(between_steps=coord.between_steps, on_window=coord.on_window, on_result=coord.on_result,
                      window_s=cfg.runtime.window_s)
-        runs = alternating_pairs(3 if quick else 6, lambda: _serve(eng, reqs, 1, "tide", **hooks),
-                      lambda: _serve(plain, reqs, 1, "plain"))
+        runs = alternating_pairs(3 if quick else 6, lambda: serve_closed_loop(eng, reqs, 1, "tide", **hooks),
+                      lambda: serve_closed_loop(plain, reqs, 1, "plain"))
     finally:
         eng.close()
         plain.close()
@@ -168,7 +132,7 @@ def off_cost(work: Path, data: Path, quick: bool = False) -> dict[str, Any]:
     turn on the same requests: every step of one has a step of the same shape of the other beside it
     in time, so the machine's drift, which moves whole runs by ~10% here, cancels step by step."""
     bind_serving(load_config(DEFAULT).runtime.serve_cores)
-    cfg, target, drafts = _setup(work, load_config(DEFAULT).serve.num_speculative_tokens)
+    cfg, target, drafts = default_setup(work, load_config(DEFAULT).serve.num_speculative_tokens)
     eng = TideEngine(target, cfg.serve, drafts["untrained"], dtype=cfg.model.dtype, store_root=work / "store",
                      max_pending_chunks=1 << 16)
     plain = TideEngine(target, cfg.serve, None, dtype=cfg.model.dtype)
@@ -221,7 +185,7 @@ def adaptive_k(work: Path, data: Path, quick: bool = False) -> dict[str, Any]:
     """The base draft with the gate choosing k per step against each fixed k (1, 2, 3), at batch 1 and
     4, in rounds that alternate the order; the gate is warmed up (its rates and refit latencies) on one
     unmeasured run first, as a server that has been running a while."""
-    cfg, target, drafts = _setup(work, 3)
+    cfg, target, drafts = default_setup(work, 3)
     if "base" not in drafts:
         raise ValueError("adaptive-k: needs the base draft (python -m workflows.base_draft)")
     eng = TideEngine(target, cfg.serve, drafts["base"], dtype=cfg.model.dtype, capture=False)
@@ -252,9 +216,9 @@ def _adaptive_row(cfg: Any, eng: TideEngine, model: LatencyModel, reqs: list[Req
     def run(name: str) -> float:
         if name == "adaptive":
             eng.set_draft_lengths(gate.lengths)
-            return _serve(eng, reqs, b, name, on_window=adapt, window_s=2.0).tokens_per_s
+            return serve_closed_loop(eng, reqs, b, name, on_window=adapt, window_s=2.0).tokens_per_s
         eng.set_draft_lengths([int(name[1])] * len(eng.lengths))
-        return _serve(eng, reqs, b, name).tokens_per_s
+        return serve_closed_loop(eng, reqs, b, name).tokens_per_s
 
     run("adaptive")  # warm-up: the gate learns the rates (and the engine's caches warm)
     order = ["adaptive", "k1", "k2", "k3"]

@@ -23,8 +23,7 @@ from tide.config import load_config
 from tide.draft import DraftRegistry, init_draft, save_draft
 from tide.runtime.processes import bind_serving
 from tide.serve.engine import Request, TideEngine
-from workflows.bench.common import DEFAULT, requests
-from workflows.bench.control import _serve, _setup
+from workflows.bench.common import DEFAULT, default_setup, requests, serve_closed_loop
 
 PARTS = {  # drafter method -> label; what `propose` spends outside them is vLLM's bookkeeping
     "combine_hidden_states": "fc (3 hidden states -> 1)",
@@ -137,19 +136,19 @@ def _measure(cfg: Any, target: Any, draft: Path, data: Path, quick: bool, profil
     try:
         for b in (1, 4):
             reqs = requests(target, data, "gsm8k", "gsm8k/test.jsonl", b, 32 if quick else 96, f"dp{b}")
-            _serve(eng, reqs, b, "warm")
+            serve_closed_loop(eng, reqs, b, "warm")
             out[f"batch{b}_plain_step_ms"] = _plain_step_ms(eng, reqs, b)
             for k in (1, 3):
                 eng.set_draft_lengths([k] * len(eng.lengths))
                 rounds = []
                 for r in range(2 if quick else 4):  # round 0 warms the new shapes up
-                    _serve(eng, reqs, b, f"k{k}r{r}")
+                    serve_closed_loop(eng, reqs, b, f"k{k}r{r}")
                     rounds.append(timer.take(k))
                 row = _mean_rows(rounds[1:])
                 if profile and b == 1:
                     timer.profiling = True
                     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-                        _serve(eng, reqs, b, f"prof{k}")
+                        serve_closed_loop(eng, reqs, b, f"prof{k}")
                     timer.profiling = False
                     timer.take(k)
                     row["profiled"] = _op_table(prof, 12)
@@ -171,7 +170,7 @@ def _mean_rows(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 def draft_pass(work: Path, data: Path, quick: bool = False) -> dict[str, Any]:
     bind_serving(load_config(DEFAULT).runtime.serve_cores)  # the engine core in this process, on core 0
-    cfg, target, drafts = _setup(work, 3)
+    cfg, target, drafts = default_setup(work, 3)
     v4k = DraftRegistry(work / "drafts-4k").path(0)
     save_draft(init_draft(target.path, target.layer_ids, 4096), v4k)
     out: dict[str, Any] = {"target_mb": _mb(target.path)}
