@@ -81,8 +81,8 @@ class Served(NamedTuple):
     prefill_share: float  # of the wall time, in steps over more tokens than a decode or verify step
 
 
-def serve_closed_loop(eng: TideEngine, reqs: list[Request], b: int, tag: str, refit: LatencyModel | None = None,
-           **hooks: Any) -> Served:
+def serve_closed_loop(eng: TideEngine, reqs: list[Request], b: int, tag: str,
+                      refit: LatencyModel | None = None, **hooks: Any) -> Served:
     """`reqs` served as a closed loop of `b`; `refit` learns from the steps, as the coordinator's
     model does while serving."""
     reqs = [Request(f"{tag}-{time.monotonic_ns()}-{r.request_id}", r.prompt_ids, r.max_tokens, None, r.workload)

@@ -111,7 +111,7 @@ def never_worse(work: Path, data: Path, quick: bool = False) -> dict[str, Any]:
         hooks = dict(between_steps=coord.between_steps, on_window=coord.on_window, on_result=coord.on_result,
                      window_s=cfg.runtime.window_s)
         runs = alternating_pairs(3 if quick else 6, lambda: serve_closed_loop(eng, reqs, 1, "tide", **hooks),
-                      lambda: serve_closed_loop(plain, reqs, 1, "plain"))
+                                 lambda: serve_closed_loop(plain, reqs, 1, "plain"))
     finally:
         eng.close()
         plain.close()
