@@ -88,53 +88,70 @@ def test_linear_latency_raises_the_bar_with_batch() -> None:
 
 
 def test_latencies_interpolate_extend_and_learn() -> None:
-    m = LatencyModel({16: 0.036, 1: 0.030}, {(1, 1): 0.002, (4, 1): 0.005, (1, 2): 0.0035}, gamma=3)
-    assert m.target_latency(8.5) == pytest.approx(0.033)
-    assert m.target_latency(31) == pytest.approx(0.042)  # last segment extended
-    assert m.target_latency(0.5) == 0.030  # flat below the first point
+    m = LatencyModel({(1, 16): 0.036, (1, 1): 0.030}, {(1, 1): 0.002, (4, 1): 0.005, (1, 2): 0.0035}, gamma=3)
+    assert m.target_latency(1, 8.5) == pytest.approx(0.033)
+    assert m.target_latency(1, 31) == pytest.approx(0.042)  # last segment extended
+    assert m.target_latency(1, 0.5) == 0.030  # flat below the first point
+    assert m.target_latency(4) == pytest.approx(0.0312)  # above the measured batches: batch 1's cost of 4 tokens
     assert m.draft_latency(2.5, 1) == pytest.approx(0.0035)  # between the measured batches
     assert m.draft_latency(1, 2) == 0.0035 and m.draft_latency(1, 3) == pytest.approx(0.0035 * 3 / 2)
     assert m.draft_latency(4, 0) == 0.0 and m.step_cost(1, 0) == 0.030
-    dip = LatencyModel({1: 0.030, 4: 0.026, 8: 0.029}, {}, 1)
-    assert dip.target_latency(4) == 0.026  # a measured dip is kept: some shapes do cost less on a CPU
-    assert dip.target_latency(100) == pytest.approx(0.029 + 0.003 / 4 * 92)  # the last segment, rising
+    dip = LatencyModel({(1, 1): 0.030, (1, 4): 0.026, (1, 8): 0.029}, {}, 1)
+    assert dip.target_latency(1, 4) == 0.026  # a measured dip is kept: some shapes do cost less on a CPU
+    assert dip.target_latency(1, 100) == pytest.approx(0.029 + 0.003 / 4 * 92)  # the last segment, rising
 
 
-def test_serving_refits_the_machine_speed_at_once_and_each_shape_slowly() -> None:
-    """A trainer starting on the same cores slows plain steps (all the gate sees while speculation is off):
-    every entry slows with them, so the cost of drafting relative to a plain step stays what it was."""
-    m = LatencyModel({4: 0.010, 8: 0.012}, {(4, 1): 0.002}, gamma=1)
-    bar = m.break_even(4, 1)
-    m.observe_target(4, 0.020, steps=1)
-    assert m.scale == pytest.approx(1 + 0.01 * 1.0)
-    m.observe_target(4, 0.020, steps=2000)
+def test_a_verify_step_is_priced_by_its_own_shape_not_by_its_token_count() -> None:
+    """On a CPU a batch-4 decode (4 tokens) can cost less than a batch-1 decode while a batch-1 verify
+    of 3 drafts (also 4 tokens) costs more: each shape keeps its own figure, and batches between the
+    measured ones interpolate at the same tokens per sequence."""
+    m = LatencyModel({(1, 1): 0.070, (1, 4): 0.080, (4, 4): 0.053, (4, 16): 0.090}, {(1, 1): 0.005}, gamma=3)
+    assert m.break_even(1, 3) == pytest.approx((0.080 + 0.015) / 0.070)  # a useless draft at k 3: 0.74x, off
+    assert m.target_latency(4) == 0.053
+    assert m.target_latency(2) == pytest.approx(0.070 + (0.053 - 0.070) / 3)
+    assert m.target_latency(2, 8) == pytest.approx(0.080 + (0.090 - 0.080) / 3)  # 4 tokens per sequence
+    by_tokens = LatencyModel.flat(((1, 0.070), (4, 0.053), (16, 0.090)), 0.005, 3)  # the old table
+    assert by_tokens.break_even(1, 3) < 1.0 < m.break_even(1, 3)
+
+
+def test_serving_calibrates_each_entry_then_refits_the_machine_speed() -> None:
+    """An entry's first serving steps are its own figure (the profile was a weak prior); later, a trainer
+    starting on the same cores slows plain steps (all the gate sees while speculation is off): every
+    entry slows with them, so the cost of drafting relative to a plain step stays what it was."""
+    m = LatencyModel({(4, 4): 0.010, (4, 8): 0.012}, {(4, 1): 0.002}, gamma=1)
     near = functools.partial(pytest.approx, rel=1e-3)
-    assert m.target_latency(4) == near(0.020) and m.target_latency(8) == near(0.024)
-    assert m.draft_latency(4, 1) == near(0.004) and m.break_even(4, 1) == near(bar)
-    for _ in range(100):  # plain and verify steps both seen, verify steps slower than profiled: the shape moves
-        m.observe_target(4, 0.020, steps=50)
-        m.observe_target(8, 0.030, steps=50)
-    assert m.target_latency(8) / m.target_latency(4) == pytest.approx(1.5, rel=0.05) and m.break_even(4, 1) > bar
+    m.observe_target(4, 8, 0.015, steps=16)  # verify steps cost more than profiled: half way, the profile is 16
+    assert m.target_latency(4, 8) == pytest.approx(0.0135, rel=0.02) and m.scale == pytest.approx(1.0, abs=0.02)
+    m.observe_target(4, 4, 0.010, steps=64)  # plain steps as profiled: both entries calibrated
+    m.observe_target(4, 8, 0.015, steps=48)  # calibrated: the mean of the profile (16 steps) and 64 served
+    ratio = (16 * 0.012 + 64 * 0.015) / 80 / 0.010
+    assert m.target_latency(4, 8) / m.target_latency(4) == pytest.approx(ratio, rel=0.01)
+    bar = m.break_even(4, 1)
+    m.observe_target(4, 4, 0.020, steps=2000)  # the machine now runs at half the speed
+    assert m.target_latency(4) == near(0.020) and m.target_latency(4, 8) == pytest.approx(0.020 * ratio, rel=0.01)
+    assert m.break_even(4, 1) == pytest.approx(bar, rel=0.01)
     m.observe_draft(2, 1, 0.009)
     assert m.draft_latency(2, 1) == pytest.approx(0.009)  # a first observation is taken as it is
     assert LatencyModel.from_json(m.to_json()) == m
 
 
 def test_a_windows_step_costs_refit_decode_and_verify_steps_and_leave_prefills_out() -> None:
-    m = LatencyModel({4: 0.010, 8: 0.012}, {}, gamma=1)
-    m.observe_costs({"target": {"4": [2000, 40.0], "512": [3, 3.0]}, "draft": {"4,1": [10, 0.05]}}, most_tokens=8)
-    assert m.target_latency(4) == pytest.approx(0.020, rel=1e-3) and 512 not in m.target
+    m = LatencyModel({(4, 4): 0.010, (4, 8): 0.012}, {}, gamma=1)
+    m.observe_costs({"target": {"4,4": [2000, 40.0], "4,512": [3, 3.0]}, "draft": {"4,1": [10, 0.05]}},
+                    most_tokens=8)
+    assert m.target_latency(4) == pytest.approx(0.020, rel=1e-3) and (4, 512) not in m.target
     assert m.draft[(4, 1)] * m.scale == pytest.approx(0.005)
 
 
 @pytest.mark.parametrize("kwargs, field_name", [
     (dict(target={}), "target"),
-    (dict(target={1: 0.0}), "target"),
+    (dict(target={(1, 1): 0.0}), "target"),
+    (dict(target={(2, 1): 0.03}), "target"),
     (dict(draft={(1, 4): 0.001}), "draft"),
     (dict(gamma=0), "gamma"),
 ])
 def test_bad_latency_model_names_the_field(kwargs: dict, field_name: str) -> None:
-    args = dict(target={1: 0.03}, draft={(1, 1): 0.002}, gamma=3) | kwargs
+    args = dict(target={(1, 1): 0.03}, draft={(1, 1): 0.002}, gamma=3) | kwargs
     with pytest.raises(ValueError, match=f"LatencyModel.{field_name}"):
         LatencyModel(**args)
 
@@ -187,7 +204,7 @@ def test_gate_waits_for_enough_steps() -> None:
 
 
 def test_gate_decides_a_clear_case_early() -> None:
-    slow = LatencyModel({1: 0.030, 2: 0.045}, {(1, 1): 0.030}, 1)  # k 1 breaks even at (45 + 30) / 30 = 2.5
+    slow = LatencyModel({(1, 1): 0.030, (1, 2): 0.045}, {(1, 1): 0.030}, 1)  # k 1 breaks even at (45 + 30) / 30 = 2.5
     gate = SpeculationGate(SpeculationConfig(min_steps=256, early_steps=32, min_dwell_steps=0, min_dwell_s=0),
                            slow, max_batch=1)
     assert gate.decide(obs(1, live=rates(0.0, steps=31))).action is SpecAction.STAY  # below early_steps

@@ -48,6 +48,9 @@ class FakeEngine:
     def set_draft_lengths(self, lengths: list[int]) -> None:
         self.lengths = list(lengths)
 
+    def set_probe(self, every: int) -> None:
+        self.probe_every = every
+
     def swap(self, path: str, version: int) -> float:
         self.version = version
         self.swaps.append(version)

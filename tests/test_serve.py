@@ -19,6 +19,7 @@ from conftest import random_prompts
 from safetensors.torch import load_file, save_file
 
 from tide.config import ServeConfig, TrainConfig
+from tide.control import cost_key
 from tide.draft import DraftRegistry, init_draft, load_draft, save_draft
 from tide.draft.acceptance import AcceptanceHistogram
 from tide.draft.io import WEIGHTS
@@ -190,6 +191,24 @@ def test_lossless_when_the_draft_length_changes_every_step(engine, drafts, promp
     assert got == {k: reference[k] for k in got}
     tried = [sum(w.rates["tried"][j] for w in windows) for j in range(3)]
     assert tried[0] > tried[1] > tried[2] > 0  # steps of 1, 2 and 3 drafts
+
+
+def test_a_probe_makes_every_nth_drafting_step_a_plain_one_and_output_stays_lossless(engine, drafts, prompts,
+                                                                                    reference):
+    """Every 4th step drafts nothing: the steps' costs have plain steps (b sequences over b tokens) and
+    verify steps at one batch size, and the greedy output is the plain engine's."""
+    _, reg = drafts
+    engine.swap(reg.path(1), 1)
+    engine.set_draft_lengths([3] * len(engine.lengths))
+    engine.set_probe(4)
+    try:
+        res, windows = engine.replay(requests(prompts[:4], "probe"), concurrency=1, window_s=1e9)
+    finally:
+        engine.set_probe(0)
+    assert outputs(res) == {k: reference[k] for k in outputs(res)}
+    costs = {cost_key(key): steps for w in windows for key, (steps, _) in w.costs["target"].items()}
+    plain, verify = costs.get((1, 1), 0), costs.get((1, 4), 0)
+    assert verify > 2 * plain > 0 and plain <= sum(costs.values()) / 4 + 4
 
 
 def test_speculation_off_keeps_capturing(engine, prompts, reference, drafts, tiny_target):

@@ -96,6 +96,9 @@ class SpeculationConfig:
     steps, not after 256 slow ones), and at any time a length whose every choice loses even with
     rates `z` errors better is turned off (a cheap useless draft would otherwise cost its few % for
     ever). No change within `min_dwell_steps` engine steps AND `min_dwell_s` seconds of the last one.
+    While drafting, every `probe_every`-th engine step is a plain one (0: never), so that the latency
+    model measures T(b, b) beside the verify steps it weighs against it; at 32 that costs ~1% of the
+    tokens a good draft adds.
     """
 
     margin_off: float = 0.05
@@ -107,6 +110,7 @@ class SpeculationConfig:
     min_dwell_steps: int = 64
     min_dwell_s: float = 2.0
     start_enabled: bool = True  # speculate from the start: live acceptance can only be measured while on
+    probe_every: int = 32
 
     def __post_init__(self) -> None:
         check(0 <= self.margin_off < 1, "SpeculationConfig", "margin_off", self.margin_off, "in [0, 1)")
@@ -118,6 +122,7 @@ class SpeculationConfig:
         check(self.z > 0, "SpeculationConfig", "z", self.z, "> 0")
         check(self.min_dwell_steps >= 0, "SpeculationConfig", "min_dwell_steps", self.min_dwell_steps, ">= 0")
         check(self.min_dwell_s >= 0, "SpeculationConfig", "min_dwell_s", self.min_dwell_s, ">= 0")
+        check(self.probe_every >= 0, "SpeculationConfig", "probe_every", self.probe_every, ">= 0 (0: no probes)")
 
 
 @dataclass(frozen=True)

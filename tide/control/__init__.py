@@ -10,9 +10,9 @@ None of them touches the engine, the store or the clock; the runtime feeds them 
 from tide.control.collection import CollectAction, CollectionGate, CollectState
 from tide.control.decision import Decision
 from tide.control.rollback import RollbackAction, RollbackGate
-from tide.control.speculation import LatencyModel, SpecAction, SpeculationGate, SpeculationObservation
+from tide.control.speculation import LatencyModel, SpecAction, SpeculationGate, SpeculationObservation, cost_key
 
 __all__ = [
     "CollectAction", "CollectState", "CollectionGate", "Decision", "LatencyModel", "RollbackAction", "RollbackGate",
-    "SpecAction", "SpeculationGate", "SpeculationObservation",
+    "SpecAction", "SpeculationGate", "SpeculationObservation", "cost_key",
 ]

@@ -1,14 +1,14 @@
 """Speculation gate (paper Eq. 5, generalised): how many tokens to draft at each batch size, 0 = off.
 
-Plain decoding emits one token per sequence per target step over b tokens, in T(b). Drafting k
-tokens a step costs C(b, k) = T(b (k + 1)) + D(b, k): the target verifies k + 1 tokens per sequence
+Plain decoding emits one token per sequence per target step of b sequences over b tokens, in T(b, b).
+Drafting k tokens a step costs C(b, k) = T(b, b (k + 1)) + D(b, k): the target verifies k + 1 tokens per sequence
 and the draft runs its passes. It emits E_k tokens per sequence, E_k = 1 + sum_{i <= k} prod_{j <= i}
 a_j, where a_j is the acceptance of draft position j given the ones before it were accepted. So
 
-    speedup(b, k) = E_k * T(b) / C(b, k)
+    speedup(b, k) = E_k * T(b, b) / C(b, k)
 
 and the best draft length at batch b is the k in {0..K} that maximises it (k = 0 is plain decoding,
-speedup 1). With one k = K and equal rates a this is Eq. 5: E_K / (K D0 / T(b) + T(b (K+1)) / T(b)).
+speedup 1). With one k = K and equal rates a this is Eq. 5: E_K / (K D0 / T(b, b) + T(b, b (K+1)) / T(b, b)).
 T and D come from a `LatencyModel` that serving refits from its own steps; the rates come from live
 drafting steps (`PositionRates`), or, while speculation is off, from the draft's held-out walk.
 """
@@ -18,7 +18,6 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any
 
 from tide.config import SpeculationConfig, check
 from tide.control.decision import Decision
@@ -41,58 +40,86 @@ def _interpolate(points: list[tuple[float, float]], x: float) -> float:
 
 @dataclass
 class LatencyModel:
-    """What a serving step costs, in seconds: `target[n]`, the step over n tokens without the draft
-    (forward, sampling, the engine's own work), and `draft[(b, k)]`, drafting k tokens for b
-    sequences, both times `scale`. The start-up profile fills the tables (the prior, scale 1).
+    """What a serving step costs, in seconds: `target[(b, n)]`, the step of b sequences over n tokens
+    without the draft (forward, sampling, the engine's own work), and `draft[(b, k)]`, drafting k
+    tokens for b sequences, both times `scale`. The start-up profile fills the tables (the prior,
+    scale 1).
 
     Serving refits it from its own steps (`observe_*`), in two parts. `scale` is how fast the machine
     runs now against the tables: every step moves it (exponential average, `weight` per step), so a
     trainer that starts beside serving on the same cores, or stops, slows or speeds every entry at
-    once. Each entry's own shape moves much more slowly (`shape_weight`), only from its own steps.
-    One scale keeps the comparisons consistent: the gate weighs T(b) (plain steps, seen all the time)
-    against T(b (k + 1)) (verify steps, not seen while speculation is off), and an entry refit alone
-    would compare a slow moment with a fast one.
+    once, also those not served now (verify steps while speculation is off). Each entry's own figure
+    is calibrated by its first `calibration_steps` serving steps (their running mean, the profile
+    counting as `prior_steps` of them); after that it moves by `shape_weight` a step, and a change is
+    the machine's. The profile is a weak prior: a few steps at 64 tokens of context, at batch 1 it
+    read T(1, 4) / T(1, 1) 0.84-0.95 where serving read 0.90-0.98 with HumanEval's contexts, and at
+    0.84 three drafts look free. With the entries learning only as slowly as the machine's speed,
+    the scale absorbed that error for hundreds of steps (a useless draft kept on for 574 s). The
+    gate's probes (a plain step now and then while speculating, `SpeculationConfig.probe_every`)
+    keep T(b, b) measured beside the verify steps.
 
-    T(n) is piecewise-linear through the measured n, as measured: a step over more tokens can cost
-    less (on a CPU, oneDNN picks its kernels by shape: SmolLM2 measured T(2) 69 ms, T(4) 47 ms), and
-    raising each entry to the largest before it made verify steps look as cheap as plain ones. Serving
-    refits every entry it runs. D(b, k) likewise through the measured b at that k, and at a k never
-    measured it scales the nearest measured k linearly (the draft runs one pass a token).
-    Example: target {1: .030, 16: .036}, draft {(1, 1): .002}: T(8.5) = .033, D(1, 3) = .006, and
-    drafting 3 at batch 1 costs T(4) + D(1, 3) = .0312 + .006 against T(1) = .030 for a plain step.
+    T is keyed by batch and tokens, because the shape sets the cost, not the token count: on a CPU a
+    batch-1 verify of 3 drafts is not a batch-4 decode (oneDNN picks its kernels by shape, attention
+    over one context differs from four), and a table by token count alone priced three useless drafts
+    at batch 1 near 1.0x. Within a measured batch T is piecewise-linear in n, as measured (a step
+    over more tokens can cost less); between two measured batches it is linear in b at the same
+    tokens per sequence; outside them the nearest batch's cost of n tokens. D(b, k) is
+    piecewise-linear through the measured b at that k, and at a k never measured it scales the
+    nearest measured k linearly (the draft runs one pass a token).
+    Example: target {(1, 1): .030, (1, 4): .034, (4, 4): .031, (4, 16): .040}, draft {(1, 1): .002}:
+    T(2, 2) = .030 + (.031 - .030) / 3 = .0303, drafting 3 at batch 1 costs T(1, 4) + D(1, 3) = .034
+    + .006 against T(1, 1) = .030 for a plain step (break-even 1.33).
     """
 
-    target: dict[int, float]
+    target: dict[tuple[int, int], float]
     draft: dict[tuple[int, int], float]
     gamma: int  # the most tokens a step may draft (vLLM's num_speculative_tokens)
     scale: float = 1.0
     weight: float = 0.01  # per step, of `scale`: a few hundred steps of memory
-    shape_weight: float = 0.001  # per step, of an entry against the others
+    shape_weight: float = 0.001  # per step, of an entry against the others, once calibrated
+    prior_steps: int = 16  # the serving steps a profiled entry counts as
+    calibration_steps: int = 64  # an entry's first serving steps: its figure, not the machine's speed
+    seen: dict[tuple[int, int], int] = field(default_factory=dict, compare=False, repr=False)  # steps served, by entry
 
     def __post_init__(self) -> None:
-        check(bool(self.target), "LatencyModel", "target", self.target, "at least one (n_tokens: seconds)")
-        check(all(n >= 1 and t > 0 for n, t in self.target.items()), "LatencyModel", "target", self.target,
-              "token counts >= 1 and latencies > 0 seconds")
+        check(bool(self.target), "LatencyModel", "target", self.target, "at least one (batch, tokens): seconds")
+        check(all(n >= b >= 1 and t > 0 for (b, n), t in self.target.items()), "LatencyModel", "target",
+              self.target, "(batch >= 1, tokens >= batch): seconds > 0")
         check(self.gamma >= 1, "LatencyModel", "gamma", self.gamma, ">= 1 draft token")
         check(all(b >= 1 and 1 <= k <= self.gamma and t >= 0 for (b, k), t in self.draft.items()), "LatencyModel",
               "draft", self.draft, "(batch >= 1, 1 <= k <= gamma): seconds >= 0")
         check(self.scale > 0, "LatencyModel", "scale", self.scale, "> 0")
         check(0 < self.shape_weight <= self.weight <= 1, "LatencyModel", "weight", (self.weight, self.shape_weight),
               "0 < shape_weight <= weight <= 1")
+        check(self.prior_steps >= 1 and self.calibration_steps >= 0, "LatencyModel", "prior_steps",
+              (self.prior_steps, self.calibration_steps), "prior_steps >= 1, calibration_steps >= 0")
 
     @classmethod
     def flat(cls, points: tuple[tuple[int, float], ...], draft_step_s: float, gamma: int) -> LatencyModel:
-        """T through `points`, each draft pass `draft_step_s` whatever the batch (the textbook D0)."""
-        return cls(dict(points), {(1, k): k * draft_step_s for k in range(1, gamma + 1)}, gamma)
+        """T by token count alone through (tokens, seconds) `points`, each draft pass `draft_step_s`
+        whatever the batch (the textbook model: one batch row, which every batch then reads)."""
+        return cls({(1, n): t for n, t in points}, {(1, k): k * draft_step_s for k in range(1, gamma + 1)}, gamma)
 
-    def target_latency(self, n: float) -> float:
-        return self.scale * self._target(n)
+    def target_latency(self, b: float, n: float | None = None) -> float:
+        """T(b, n): b sequences over n tokens (default b: a plain decode step)."""
+        return self.scale * self._target(b, b if n is None else n)
 
     def draft_latency(self, b: float, k: int) -> float:
         return self.scale * self._draft(b, k)
 
-    def _target(self, n: float) -> float:
-        return _interpolate(sorted(self.target.items()), n)
+    def _target(self, b: float, n: float) -> float:
+        rows: dict[int, list[tuple[float, float]]] = {}
+        for (bb, nn), t in sorted(self.target.items()):
+            rows.setdefault(bb, []).append((nn, t))
+        batches = sorted(rows)
+        i = bisect.bisect_left(batches, b)
+        if i < len(batches) and batches[i] == b:
+            return _interpolate(rows[batches[i]], n)
+        if i == 0 or i == len(batches):  # outside the measured batches: the nearest one's cost of n tokens
+            return _interpolate(rows[batches[min(i, len(batches) - 1)]], n)
+        b0, b1 = batches[i - 1], batches[i]
+        t0, t1 = (_interpolate(rows[bb], n * bb / b) for bb in (b0, b1))  # same tokens per sequence
+        return t0 + (t1 - t0) * (b - b0) / (b1 - b0)
 
     def _draft(self, b: float, k: int) -> float:
         ks = sorted({kk for _, kk in self.draft})
@@ -103,51 +130,63 @@ class LatencyModel:
 
     def step_cost(self, b: float, k: int) -> float:
         """Seconds of one step at batch b drafting k (k = 0: a plain step)."""
-        return self.target_latency(b * (k + 1)) + self.draft_latency(b, k)
+        return self.target_latency(b, b * (k + 1)) + self.draft_latency(b, k)
 
     def break_even(self, b: float, k: int) -> float:
-        """The tokens a step must emit per sequence for drafting k to pay at batch b: C(b, k) / T(b)."""
+        """The tokens a step must emit per sequence for drafting k to pay at batch b: C(b, k) / T(b, b)."""
         return self.step_cost(b, k) / self.target_latency(b)
 
     def speedup(self, b: float, k: int, expected_length: float) -> float:
         return expected_length / self.break_even(b, k)
 
-    def observe_target(self, n: int, seconds: float, steps: int = 1) -> None:
-        self._observe(self.target, n, self._target(n), seconds, steps)
+    def observe_target(self, b: int, n: int, seconds: float, steps: int = 1) -> None:
+        self._observe(self.target, (b, n), seconds, steps)
 
     def observe_draft(self, b: int, k: int, seconds: float, steps: int = 1) -> None:
-        self._observe(self.draft, (b, k), self._draft(b, k), seconds, steps)  # type: ignore[arg-type]
+        self._observe(self.draft, (b, k), seconds, steps)
 
     def observe_costs(self, costs: dict[str, dict[str, list[float]]], most_tokens: int) -> None:
-        """A window's steps as `tide.serve.engine.step_costs` sums them: target steps over at most
-        `most_tokens` tokens (decode and verify; a prefill is another cost), draft passes by (b, k)."""
-        for n, (steps, seconds) in costs.get("target", {}).items():
-            if steps and int(n) <= most_tokens:
-                self.observe_target(int(n), seconds / steps, int(steps))
+        """A window's steps as `tide.serve.engine.step_costs` sums them: target steps by (b, n) over at
+        most `most_tokens` tokens (decode and verify; a prefill is another cost), draft passes by (b, k)."""
+        for key, (steps, seconds) in costs.get("target", {}).items():
+            b, n = cost_key(key)
+            if steps and n <= most_tokens:
+                self.observe_target(b, n, seconds / steps, int(steps))
         for key, (steps, seconds) in costs.get("draft", {}).items():
             if steps:
-                b, k = (int(x) for x in key.split(","))
-                self.observe_draft(b, k, seconds / steps, int(steps))
+                self.observe_draft(*cost_key(key), seconds / steps, int(steps))
 
-    def _observe(self, table: dict, key: Any, predicted: float, seconds: float, steps: int) -> None:
-        """`steps` steps at `key` took `seconds` each: the scale moves towards seconds / (table's figure),
-        then the entry towards seconds / scale. An entry seen for the first time is taken as it is."""
-        if key not in table or predicted <= 0:
+    def _observe(self, table: dict, key: tuple[int, int], seconds: float, steps: int) -> None:
+        """`steps` steps at `key` took `seconds` each. While the entry calibrates, it moves towards
+        seconds / scale as a running mean; then the scale moves towards seconds / entry, then the entry,
+        by `shape_weight`, towards seconds / scale. An entry seen for the first time is taken as it is."""
+        before = self.seen.get(key, 0)
+        self.seen[key] = before + steps
+        if table.get(key, 0.0) <= 0:
             table[key] = seconds / self.scale
             return
-        self.scale += _share(self.weight, steps) * (seconds / predicted - self.scale)
+        calibrating = min(steps, max(self.calibration_steps - before, 0))
+        table[key] += calibrating / (self.prior_steps + before + calibrating) * (seconds / self.scale - table[key])
+        self.scale += _share(self.weight, steps) * (seconds / table[key] - self.scale)
         table[key] += _share(self.shape_weight, steps) * (seconds / self.scale - table[key])
 
     def to_json(self) -> dict:
-        return {"target": {str(n): t for n, t in sorted(self.target.items())},
+        return {"target": {f"{b},{n}": t for (b, n), t in sorted(self.target.items())},
                 "draft": {f"{b},{k}": t for (b, k), t in sorted(self.draft.items())}, "gamma": self.gamma,
                 "scale": self.scale}
 
     @classmethod
     def from_json(cls, d: dict) -> LatencyModel:
-        draft = {tuple(int(x) for x in key.split(",")): float(t) for key, t in d["draft"].items()}
-        return cls({int(n): float(t) for n, t in d["target"].items()}, draft, int(d["gamma"]),  # type: ignore[misc]
+        return cls({cost_key(key): float(t) for key, t in d["target"].items()},
+                   {cost_key(key): float(t) for key, t in d["draft"].items()}, int(d["gamma"]),
                    float(d.get("scale", 1.0)))
+
+
+def cost_key(key: str) -> tuple[int, int]:
+    """(b, n) of a target entry's "b,n" or (b, k) of a draft entry's "b,k": the keys of the JSON tables
+    and of `tide.serve.engine.step_costs`."""
+    a, b = key.split(",")
+    return int(a), int(b)
 
 
 def _share(weight: float, steps: int) -> float:

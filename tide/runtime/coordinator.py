@@ -35,6 +35,7 @@ from tide.control import (
     SpecAction,
     SpeculationGate,
     SpeculationObservation,
+    cost_key,
 )
 from tide.draft.acceptance import AcceptanceHistogram, PositionRates
 from tide.runtime.messages import (
@@ -147,13 +148,15 @@ class Coordinator:
             self.model = self.engine.profile(self.cfg.serve.max_num_seqs)
             self._reported = self._figures(self.model)
             m, K = self.model, self.engine.gamma
-            self.record("profile", f"T(n) {', '.join(f'{n}:{t * 1e3:.1f}' for n, t in sorted(m.target.items()))} ms, "
+            t = ", ".join(f"{b},{n}:{s * 1e3:.1f}" for (b, n), s in sorted(m.target.items()))
+            self.record("profile", f"T(b,n) {t} ms, "
                         f"D(1, k) {', '.join(f'{m.draft_latency(1, k) * 1e3:.1f}' for k in range(1, K + 1))} ms: "
                         f"break-even at batch 1 {', '.join(f'k{k} {m.break_even(1, k):.2f}' for k in range(1, K + 1))}",
                         model=m.to_json())
             if fixed is None:  # clock: serving_starts
                 self.gate = SpeculationGate(self.cfg.control.speculation, self.model, self.cfg.serve.max_num_seqs)
                 self.engine.set_draft_lengths(self.gate.lengths)
+                self.engine.set_probe(self.cfg.control.speculation.probe_every)
         if fixed is not None:
             self.engine.set_draft_lengths(fixed)
         if self.policy == "frozen" or not self.trainer_ranks:  # nothing would learn from what is captured
@@ -344,18 +347,18 @@ class Coordinator:
 
     # ------------------------------------------------------------------ latency model, speculation gate
     def _learn(self, w: Window) -> None:
-        """Refit the latency model from the window's steps: the target's part by scheduled tokens, the
-        draft's by (batch, k) (`tide.serve.engine.step_costs`). A refit that moves
+        """Refit the latency model from the window's steps: the target's part by (batch, scheduled tokens),
+        the draft's by (batch, k) (`tide.serve.engine.step_costs`). A refit that moves
         a headline figure (T(1), T at the largest batch, one draft pass at batch 1) by 10% is an event."""
         costs = w.costs
         if not costs or not costs.get("target"):
             return
         most = self.cfg.serve.max_num_seqs * (self.engine.gamma + 1)  # decode and verify steps; not prefills
         if self.model is None:  # no start-up profile (policy always or frozen): learn from serving alone
-            target = {int(n): s / c for n, (c, s) in costs["target"].items() if c and int(n) <= most}
+            target = {key: s / c for key, (c, s) in costs["target"].items() if c and cost_key(key)[1] <= most}
             if not target:
                 return
-            self.model = LatencyModel(target, {}, self.engine.gamma)
+            self.model = LatencyModel.from_json({"target": target, "draft": {}, "gamma": self.engine.gamma})
         self.model.observe_costs(costs, most)
         now = self._figures(self.model)
         moved = [k for k, v in now.items() if abs(v - self._reported.get(k, 0.0)) > 0.1 * max(v, 1e-9)]

@@ -139,6 +139,12 @@ class EngineControl:
         if self.speculative:
             self.lengths = self.rpc("tide_set_draft_lengths", [int(k) for k in lengths])
 
+    def set_probe(self, every: int) -> None:
+        """While drafting, make every `every`-th step a plain one (0: never): the latency model then sees
+        plain steps beside the verify steps it prices against them."""
+        if self.speculative:
+            self.rpc("tide_set_probe", int(every))
+
     def set_capture(self, on: bool) -> None:
         if self.speculative:
             self.rpc("tide_set_capture", bool(on))
@@ -236,7 +242,7 @@ class TideEngine(EngineControl):
 
         For each batch size b (1, 2, 4 ... max_batch), b requests with a 64-token context decode
         `steps` steps at each draft length k = 0..K; the worker splits every step into the target's
-        part (by scheduled tokens: T(b (k + 1))) and the draft's (D(b, k)), and the engine's own
+        part (by batch and scheduled tokens: T(b, b (k + 1))) and the draft's (D(b, k)), and the engine's own
         per-step work is added to T. The fastest of `repeats` rounds counts: a neighbour process only
         ever adds time, and a busy moment hits one round, not one size.
         """
@@ -248,20 +254,20 @@ class TideEngine(EngineControl):
         self.set_speculation(True)
         sizes = sorted({2 ** i for i in range(max_batch.bit_length()) if 2 ** i <= max_batch} | {max_batch})
         vocab = self.engine.model_config.get_vocab_size()
-        target: dict[int, float] = {}
-        draft: dict[tuple[int, int], float] = {}
+        target: dict[str, float] = {}
+        draft: dict[str, float] = {}
         for _ in range(repeats):
             for b in sizes:
-                for n, t in self._profile_batch(b, steps, vocab).items():
-                    table, key = (target, n) if isinstance(n, int) else (draft, n)
-                    table[key] = min(table.get(key, t), t)  # type: ignore[index]
+                for table, measured in zip((target, draft), self._profile_batch(b, steps, vocab)):
+                    for key, t in measured.items():
+                        table[key] = min(table.get(key, t), t)
         self.set_speculation(was)
         self.set_draft_lengths(lengths)
         self.set_capture(capture)
-        return LatencyModel(target, draft, self.gamma)
+        return LatencyModel.from_json({"target": target, "draft": draft, "gamma": self.gamma})
 
-    def _profile_batch(self, b: int, steps: int, vocab: int) -> dict[Any, float]:
-        """{n: T(n)} and {(b, k): D(b, k)} from `b` requests decoding `steps` steps at each k."""
+    def _profile_batch(self, b: int, steps: int, vocab: int) -> tuple[dict[str, float], dict[str, float]]:
+        """{"b,n": T(b, n)} and {"b,k": D(b, k)} from `b` requests decoding `steps` steps at each k."""
         from vllm import SamplingParams, TokensPrompt
 
         ids = [f"tide-profile-{next(_PROFILE_IDS)}" for _ in range(b)]
@@ -269,7 +275,8 @@ class TideEngine(EngineControl):
             prompt = [(7919 * (i * 64 + j)) % (vocab - 10) + 5 for j in range(64)]
             self.engine.add_request(rid, TokensPrompt(prompt_token_ids=prompt),
                                     SamplingParams(max_tokens=4096, temperature=0.0, ignore_eos=True))
-        out: dict[Any, float] = {}
+        target: dict[str, float] = {}
+        draft: dict[str, float] = {}
         for k in [0, *range(1, self.gamma + 1), 0]:  # the first k = 0 round is the prefill, not measured
             self.set_draft_lengths([k] * len(self.lengths))
             self.engine.step()  # the next step drafts k; the one after verifies them
@@ -280,14 +287,11 @@ class TideEngine(EngineControl):
                 self.engine.step()
                 walls.append(time.perf_counter() - t0)
             costs = step_costs(self.stats(reset=True)["step_costs"], walls)
-            for n, (count, secs) in costs["target"].items():
-                out[int(n)] = secs / count
-            for key, (count, secs) in costs["draft"].items():
-                bb, kk = (int(x) for x in key.split(","))
-                out[(bb, kk)] = secs / count
+            for table, part in ((target, "target"), (draft, "draft")):
+                table.update({key: secs / count for key, (count, secs) in costs[part].items()})
         self.engine.abort_request(ids)
         self.rpc("tide_finish", {rid: [64, 0, "profile"] for rid in ids})
-        return out
+        return target, draft
 
     # ------------------------------------------------------------------ serving
     def submit(self, req: Request, now: float) -> None:
@@ -388,16 +392,17 @@ class TideEngine(EngineControl):
 
 
 def step_costs(worker: list[list[float]], walls: list[float]) -> dict[str, dict[str, list[float]]]:
-    """The latency model's observations from a run of steps: {"target": {n: [steps, seconds]},
-    "draft": {"b,k": [steps, seconds]}}. The worker split each step into the target's part and the
-    draft's; what the engine spent on the step beyond the worker (scheduling, output processing) is
-    the target's too, step by step where the two lists pair up, else on average."""
+    """The latency model's observations from a run of steps: {"target": {"b,n": [steps, seconds]},
+    "draft": {"b,k": [steps, seconds]}} (b sequences, n tokens scheduled, k drafted). The worker
+    split each step into the target's part and the draft's; what the engine spent on the step beyond
+    the worker (scheduling, output processing) is the target's too, step by step where the two lists
+    pair up, else on average."""
     extra = [max(0.0, w - (c[3] + c[4])) for w, c in zip(walls, worker)] if len(walls) == len(worker) else \
         [max(0.0, sum(walls) - sum(c[3] + c[4] for c in worker)) / max(len(worker), 1)] * len(worker)
     target: dict[str, list[float]] = {}
     draft: dict[str, list[float]] = {}
     for (n, b, k, t_target, t_draft), e in zip(worker, extra):
-        for table, key, secs in ((target, str(int(n)), t_target + e), (draft, f"{int(b)},{int(k)}", t_draft)):
+        for table, key, secs in ((target, f"{int(b)},{int(n)}", t_target + e), (draft, f"{int(b)},{int(k)}", t_draft)):
             if table is draft and not k:
                 continue
             entry = table.setdefault(key, [0, 0.0])

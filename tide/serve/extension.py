@@ -57,6 +57,7 @@ class _State:
         self.gamma = gamma
         self.speculate = True  # master switch; when on, a step at batch b drafts lengths[b]
         self.lengths = [gamma] * (max_batch + 1)
+        self.probe_every = 0  # while drafting, every n-th step is a plain one (0: never)
         self.capture = True
         self.version = 0
         self.writer: ChunkWriter | None = None
@@ -165,6 +166,8 @@ class TideWorkerExtension:
                 for rid in req_ids:
                     st.started.setdefault(rid, st.step_start_wall)
             st.k_next = st.lengths[min(b, len(st.lengths) - 1)] if st.speculate else 0
+            if st.k_next and st.probe_every and st.steps % st.probe_every == 0:
+                st.k_next = 0  # a probe: the next step is plain, T(b, b) measured beside the verify steps
             if st.k_next == 0 and not st.capture:  # nothing to draft or keep: skip vLLM's drafter inputs
                 out = torch.empty(b, 0, dtype=torch.int64, device=hidden_states.device)
             else:
@@ -231,6 +234,10 @@ class TideWorkerExtension:
         st = self._tide
         st.lengths = [min(max(int(k), 0), st.gamma) for k in lengths] or st.lengths
         return st.lengths
+
+    def tide_set_probe(self, every: int) -> int:
+        self._tide.probe_every = max(int(every), 0)
+        return self._tide.probe_every
 
     def tide_set_capture(self, on: bool) -> bool:
         self._tide.capture = bool(on)

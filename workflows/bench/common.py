@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from tide.config import WorkloadConfig, load_config
-from tide.control import LatencyModel
+from tide.control import LatencyModel, cost_key
 from tide.draft import DraftRegistry, init_draft, save_draft
 from tide.draft.acceptance import PositionRates
 from tide.model.target import Target
@@ -96,6 +96,6 @@ def serve_closed_loop(eng: TideEngine, reqs: list[Request], b: int, tag: str,
             rates.merge(w.position_rates())
         if refit is not None and w.costs:
             refit.observe_costs(w.costs, most)
-        prefill_s += sum(s for n, (_, s) in w.costs.get("target", {}).items() if int(n) > most)
+        prefill_s += sum(s for key, (_, s) in w.costs.get("target", {}).items() if cost_key(key)[1] > most)
     batch = sum(w.mean_batch * w.steps for w in wins) / max(sum(w.steps for w in wins), 1)
     return Served(sum(len(r.output_ids) for r in res) / wall, rates, batch, min(prefill_s / wall, 1.0))

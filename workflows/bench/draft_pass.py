@@ -115,14 +115,15 @@ def _op_table(prof: Any, top: int) -> dict[str, Any]:
 
 
 def _plain_step_ms(eng: TideEngine, reqs: list[Request], b: int) -> float:
-    """A decode step with speculation off at batch b, the engine's own work included: T(b)."""
+    """A decode step with speculation off at batch b, the engine's own work included: T(b, b)."""
     eng.set_speculation(False)
     try:
         _, wins = eng.replay([Request(f"plain-{time.monotonic_ns()}-{r.request_id}", r.prompt_ids, r.max_tokens)
                               for r in reqs], concurrency=b, window_s=1e9)
     finally:
         eng.set_speculation(True)
-    cost = [w.costs["target"][str(b)] for w in wins if str(b) in w.costs.get("target", {})]
+    key = f"{b},{b}"
+    cost = [w.costs["target"][key] for w in wins if key in w.costs.get("target", {})]
     return 1e3 * sum(c[1] for c in cost) / max(sum(c[0] for c in cost), 1)
 
 

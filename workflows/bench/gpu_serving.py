@@ -132,7 +132,7 @@ class Bench:
         batches = sorted({b for b, _ in m.draft})
         d0 = {b: min(t / k for (bb, k), t in m.draft.items() if bb == b) * 1e3 for b in batches}
         return {"model": m.to_json(), "d0_ms_measured": d0,
-                "d0_over_t1": d0[min(d0)] / (m.target[min(m.target)] * 1e3),
+                "d0_over_t1": d0[min(d0)] / (m.target_latency(min(d0)) * 1e3),
                 "t_ms": {b: m.target_latency(b) * 1e3 for b in sizes},
                 "draft_ms": {f"{b},{k}": m.draft_latency(b, k) * 1e3 for b in sizes for k in (1, 2, 3)},
                 "draft_over_target_b1": m.draft_latency(1, 1) / m.target_latency(1),
