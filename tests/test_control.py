@@ -114,6 +114,13 @@ def test_a_verify_step_is_priced_by_its_own_shape_not_by_its_token_count() -> No
     assert by_tokens.break_even(1, 3) < 1.0 < m.break_even(1, 3)
 
 
+def test_a_profiled_verify_step_costs_at_least_a_plain_step_until_serving_measures_it() -> None:
+    m = LatencyModel.profiled({"1,1": 0.056, "1,3": 0.047, "1,4": 0.060, "2,2": 0.062, "2,4": 0.050}, {}, 3)
+    assert m.target == {(1, 1): 0.056, (1, 3): 0.056, (1, 4): 0.060, (2, 2): 0.062, (2, 4): 0.062}
+    m.observe_target(1, 3, 0.050, steps=64)
+    assert m.target_latency(1, 3) < m.target_latency(1, 1)  # measured: a dip is kept
+
+
 def test_serving_calibrates_each_entry_then_refits_the_machine_speed() -> None:
     """An entry's first serving steps are its own figure (the profile was a weak prior); later, a trainer
     starting on the same cores slows plain steps (all the gate sees while speculation is off): every

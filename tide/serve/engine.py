@@ -264,7 +264,7 @@ class TideEngine(EngineControl):
         self.set_speculation(was)
         self.set_draft_lengths(lengths)
         self.set_capture(capture)
-        return LatencyModel.from_json({"target": target, "draft": draft, "gamma": self.gamma})
+        return LatencyModel.profiled(target, draft, self.gamma)
 
     def _profile_batch(self, b: int, steps: int, vocab: int) -> tuple[dict[str, float], dict[str, float]]:
         """{"b,n": T(b, n)} and {"b,k": D(b, k)} from `b` requests decoding `steps` steps at each k."""
