@@ -214,9 +214,11 @@ def _adaptive_row(cfg: Any, eng: TideEngine, model: LatencyModel, reqs: list[Req
         eng.set_draft_lengths(gate.lengths)
 
     def run(name: str) -> float:
-        if name == "adaptive":
+        if name == "adaptive":  # with the coordinator's probes
             eng.set_draft_lengths(gate.lengths)
+            eng.set_probe(cfg.control.speculation.probe_every)
             return serve_closed_loop(eng, reqs, b, name, on_window=adapt, window_s=2.0).tokens_per_s
+        eng.set_probe(0)
         eng.set_draft_lengths([int(name[1])] * len(eng.lengths))
         return serve_closed_loop(eng, reqs, b, name).tokens_per_s
 
