@@ -60,8 +60,7 @@ class LatencyModel:
 
     T is keyed by batch and tokens, because the shape sets the cost, not the token count: on a CPU a
     batch-1 verify of 3 drafts is not a batch-4 decode (oneDNN picks its kernels by shape, attention
-    over one context differs from four), and a table by token count alone priced three useless drafts
-    at batch 1 near 1.0x. Within a measured batch T is piecewise-linear in n, as measured (a step
+    over one context differs from four). Within a measured batch T is piecewise-linear in n, as measured (a step
     over more tokens can cost less); between two measured batches it is linear in b at the same
     tokens per sequence; outside them the nearest batch's cost of n tokens. D(b, k) is
     piecewise-linear through the measured b at that k, and at a k never measured it scales the
