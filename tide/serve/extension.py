@@ -11,7 +11,8 @@ Hook points (vLLM 0.32, see the seam notes):
   metadata).
 - `runner.propose_draft_token_ids` (outer): per-step accepted counts from `sampled_token_ids`
   (-1 marks rejected slots), per request and per draft position; picks this step's draft length k
-  from the batch size (`lengths[b]`, set by the speculation gate); times the step.
+  from the batch size (`lengths[b]`, set by the speculation gate; every `probe_every`-th step 0, a
+  plain step for the latency model); times the step.
 - `runner.drafter.propose` (inner): sees the EAGLE-3 aux rows of every scheduled token,
   `target_hidden_states` [N, k*H]. Rows of request i are `query_start_loc[i]:query_start_loc[i+1]`;
   its last `num_rejected[i]` rows are rejected drafts. Kept: prompt rows and accepted rows. It then
@@ -25,7 +26,7 @@ Hook points (vLLM 0.32, see the seam notes):
   on draft a little worse until they finish (verification keeps the output exact either way).
 
 Each step's cost is split into the target's part (the step without the draft) and the draft's, by
-the number of scheduled tokens and by (batch, k): the observations the latency model learns from.
+(batch, scheduled tokens) and by (batch, k): the observations the latency model learns from.
 """
 
 from __future__ import annotations
