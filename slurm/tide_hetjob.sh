@@ -7,6 +7,9 @@
 # runs `python -m tide.runtime --config CONFIG --out OUTDIR` on every rank of both, in ONE
 # MPI_COMM_WORLD (component 0's ranks first). Edit the #SBATCH lines for your site; options given to
 # sbatch override them per component: `sbatch [opts of 0] : [opts of 1] slurm/tide_hetjob.sh CONFIG`.
+# A config with `slurm.coordinator` gives the coordinator a component of its own, first: then give three
+# on the command line, each in full (these #SBATCH lines fill in by position what one leaves out):
+# `sbatch -p cpu -N 1 --ntasks-per-node=1 --gpus-per-node=0 --cpus-per-task=2 : [serving] : [training] ...`.
 # The batch log goes to tide-<jobid>.out/.err in the submit directory, every line labelled by rank.
 # Near the time limit the step guard stops srun (TIDE_SRUN_TIMEOUT, from the time actually left, so
 # it follows an --time given to sbatch); srun passes the TERM to every rank: serving drains and writes
@@ -80,6 +83,11 @@ export PYTHONUNBUFFERED=1
 # shellcheck source=../tide/cluster/tide_step.sh
 source "${TIDE_HOME:-$SLURM_SUBMIT_DIR}/tide/cluster/tide_step.sh" || exit 1
 
-echo "tide: job $SLURM_JOB_ID: serving on $SLURM_JOB_NODELIST_HET_GROUP_0 ($SLURM_JOB_PARTITION_HET_GROUP_0)," \
-  "training on $SLURM_JOB_NODELIST_HET_GROUP_1 ($SLURM_JOB_PARTITION_HET_GROUP_1); out $OUT; srun timeout ${TIMEOUT}s"
-tide_step "$TIMEOUT" "$OUT/.step-$SLURM_JOB_ID" srun --het-group=0,1 --mpi=pmix --label -- "${CMD[@]}"
+# Three components (sbatch [opts] : [opts] : [opts]): the first is a coordinator of its own (the
+# config's `slurm.coordinator`), then serving and training.
+G=$((${SLURM_HET_SIZE:-2} - 2))  # the serving group
+where() { local n=SLURM_JOB_NODELIST_HET_GROUP_$1 p=SLURM_JOB_PARTITION_HET_GROUP_$1; echo "${!n} (${!p})"; }
+echo "tide: job $SLURM_JOB_ID: $( ((G)) && echo "coordinator on $(where 0), ")serving on $(where "$G")," \
+  "training on $(where $((G + 1))); out $OUT; srun timeout ${TIMEOUT}s"
+tide_step "$TIMEOUT" "$OUT/.step-$SLURM_JOB_ID" srun --het-group="$(seq -s, 0 $((G + 1)))" --mpi=pmix --label \
+  -- "${CMD[@]}"

@@ -100,6 +100,16 @@ def test_a_serving_node_needs_a_gpu_per_rank_and_tensor_parallel_shard(tmp_path:
     assert "tensor_parallel_size" in one_line_error(write(tmp_path, "serve: {tensor_parallel_size: 0}\n"))
 
 
+def test_a_coordinator_of_its_own_is_one_cpu_task(tmp_path: Path) -> None:
+    cfg = load_config(write(tmp_path, "slurm: {coordinator: {partition: login}}\n"))
+    assert cfg.slurm.coordinator is not None and cfg.slurm.coordinator.sbatch_options() == {
+        "partition": "login", "nodes": 1, "ntasks_per_node": 1, "cpus_per_task": 2}
+    assert load_config(write(tmp_path, "slurm: {}\n")).slurm.coordinator is None  # rank 0 coordinates and serves
+    p = write(tmp_path, "slurm: {coordinator: {ntasks_per_node: 2}}\n")
+    assert one_line_error(p) == (f"{p}: slurm.coordinator: CoordinatorComponent: one task on one node and no GPU "
+                                 "(nodes 1, ntasks_per_node 1, gpus_per_node 0), got 1 x 2, 0 GPUs")
+
+
 @pytest.mark.parametrize("name", sorted(p.name for p in (ROOT / "configs" / "experiments").glob("*.yaml")))
 def test_shipped_experiments_load(name: str) -> None:
     from workflows.replay.runner import load_experiment

@@ -316,13 +316,13 @@ def test_the_gate_sets_the_draft_lengths_from_the_live_rates(tmp_path: Path) -> 
 
 
 class Wire:
-    """Two ends of a loopback between ranks: what one end sends to the other lands in its inbox; what
-    goes to any other rank (the trainer) is kept in `sent`."""
+    """The ends of a loopback between ranks 0 .. n-1: what one end sends to another lands in its inbox;
+    what goes to any other rank (the trainer) is kept in `sent`."""
 
-    def __init__(self) -> None:
-        self.ends = {0: ListTransport(), 1: ListTransport()}
-        self.ends[1].rank = 1
+    def __init__(self, n: int = 2) -> None:
+        self.ends = {rank: ListTransport() for rank in range(n)}
         for rank, end in self.ends.items():
+            end.rank = rank
             end.send = self._sender(rank, end)  # type: ignore[method-assign]
 
     def _sender(self, src: int, end: ListTransport):  # noqa: ANN202
@@ -376,3 +376,55 @@ def test_a_second_instance_captures_for_the_collection_deploys_its_draft_and_can
     assert len(wire.ends[1].inbox) == told
     engine.writer.close()
     other.writer.close()
+
+
+def test_a_dedicated_coordinator_trains_on_every_instances_rows_deploys_to_all_and_ends_them_at_until(
+        tmp_path: Path) -> None:
+    """A coordinator without an engine (rank 0, `slurm.coordinator`), instances on ranks 1 and 2, a
+    trainer on rank 3: the cycle's count is both instances' rows (what the trainer reads), the trained
+    draft is deployed to both (the coordinator swaps nothing itself), and once the instances' reports
+    show `until.trained_requests` served by it, the coordinator ends their workloads."""
+    from tide.config import UntilConfig
+    from tide.runtime.instance import Instance
+    from tide.runtime.messages import Deploy
+    from tide.serve.engine import RequestResult
+
+    wire, drafts = Wire(3), str(tmp_path / "drafts")
+    cfg = config("always")
+    cfg = dataclasses.replace(cfg, runtime=dataclasses.replace(cfg.runtime, instance_timeout_s=0.3))
+    coord = Coordinator(cfg, None, wire.ends[0], trainer_ranks=[3], drafts_root=drafts, instances=[1, 2], version=0)
+    engines = {r: FakeEngine(tmp_path / "store") for r in (1, 2)}
+    stopped: dict[int, list[str]] = {1: [], 2: []}
+    insts = {r: Instance(cfg, engines[r], wire.ends[r], leader=0, drafts_root=drafts, on_stop=stopped[r].append)
+             for r in (1, 2)}
+    coord.start()
+    for r, inst in insts.items():
+        inst.start()
+        inst._poll()
+        engines[r].serve_chunks(2)
+        inst.on_window(window(engines[r]))
+    coord._tick()
+    (train,) = trains(wire.ends[0])
+    assert "400/250 tokens" in train.reason and train.base_version == 0
+    assert sum(len(r) for r in ChunkReader(tmp_path / "store", META).load(since_ns=train.since_ns)) == 400
+    wire.ends[0].inbox.append((3, ready(1, 1, 1.5, 1.0)))
+    coord._tick()
+    assert coord.version == 1 and [e.kind for e in coord.events].count("swap") == 0
+    assert [d for d, m in wire.ends[0].sent if isinstance(m, Deploy) and m.version == 1] == [1, 2]
+    for r, inst in insts.items():
+        inst._poll()
+        assert engines[r].swaps == [1]
+    result = lambda v: RequestResult("q", "w", 4, [7], 0.0, 1.0, [0, 1, 0, 0], v, True)  # noqa: E731
+    insts[1].on_result(result(0))  # served by the untrained draft: not counted
+    insts[1].on_result(result(1))
+    insts[1].on_window(window(engines[1]))
+    insts[2].on_result(result(1))
+    insts[2].on_window(window(engines[2]))
+    assert coord.coordinate(UntilConfig(trained_requests=2, max_s=60.0), []) is True
+    assert coord.events[-3].kind == "stop" and "until met over all instances" in coord.events[-3].reason
+    assert [e.kind for e in coord.events[-2:]] == ["instance-down"] * 2  # silent after being told (no engines here)
+    for r, inst in insts.items():
+        inst._poll()
+        assert stopped[r] == ["coordinator: workload.until met over all instances"]
+    for e in engines.values():
+        e.writer.close()

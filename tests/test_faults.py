@@ -386,6 +386,34 @@ def test_a_serving_instance_dying_ends_only_itself(cluster: dict[str, str], tmp_
 
 @pytest.mark.slurm
 @pytest.mark.timeout(RUN_WAIT_S + 60)
+def test_with_a_coordinator_of_its_own_an_instance_dying_ends_only_itself(cluster: dict[str, str],
+                                                                          tmp_path: Path) -> None:
+    """`slurm.coordinator`: rank 0 coordinates only, ranks 1 and 2 serve, rank 3 trains. SIGKILL to rank 1
+    once it serves: rank 2 serves on until 16 of its requests finished after the coordinator marked
+    rank 1 down (the coordinator's `until`, over the instances' reports), and the job completes with
+    the coordinator's code. The summary names the dead instance."""
+    serve = {"partition": "gpu_infer", "nodes": 2, "ntasks_per_node": 1, "gpus_per_node": 1, "cpus_per_task": 1}
+    until = {"event": "instance-down", "event_requests": 16, "max_s": 300}
+    job, _, out = submit_run(tmp_path, slurm={"serve": serve, "coordinator": {"partition": "gpu_train",
+                                                                               "cpus_per_task": 1}},
+                             runtime={"instance_timeout_s": 5.0},
+                             workload={"max_tokens": 64, "nospec_baseline": False, "until": until})
+    wait_for_line(job.stderr, r"^1: .* tide.runtime.serve_role: \[ *\d+s\] AL ", 300)
+    wait_for_line(job.stderr, r"^0: .* coordinator: instance 1 is up ", 300)
+    os.kill(rank_pid(out, 1), signal.SIGKILL)
+    assert submit.wait(job, RUN_WAIT_S).state == "COMPLETED"
+    assert "tide: serving instance 1 exited 137: the other instances go on" in job.stderr.read_bytes().decode()
+    s = json.loads((out / "summary.json").read_text())
+    assert [(i["rank"], i["state"]) for i in s["instances"]] == [(1, "down"), (2, "done")]
+    (down,) = [e for e in s["events"] if e["kind"] == "instance-down"]
+    assert down["data"]["instance"] == 1 and s["until_met"] and s["coordinator"] == "dedicated"
+    # 16 requests finished after the loss (the coordinator's count, in its `until`); rank 2 served them
+    assert s["instances"][1]["requests"] >= 16 and s["total"]["requests"] == s["instances"][1]["requests"]
+    assert not (out / "instances" / "1" / "summary.json").exists()
+
+
+@pytest.mark.slurm
+@pytest.mark.timeout(RUN_WAIT_S + 60)
 def test_an_inference_rank_dying_ends_the_job_without_partial_chunks(cluster: dict[str, str],
                                                                       tmp_path: Path) -> None:
     """SIGKILL to rank 0's Python while it serves and captures: the trainer is stopped, the job fails
@@ -397,7 +425,7 @@ def test_an_inference_rank_dying_ends_the_job_without_partial_chunks(cluster: di
     with pytest.raises(SlurmError) as e:
         submit.wait(job, 120)
     assert e.value.state == "FAILED"
-    assert "tide: serving rank 0 exited 137: stopping the job" in str(e.value)
+    assert "tide: rank 0 (the coordinator) exited 137: stopping the job" in str(e.value)
     reader = ChunkReader(out / "store", expect=RunLayout.open(load_config(config), out).target.chunk_meta())
     assert reader.list_chunks() and reader.load() and reader.skipped == {}
     for _ in range(30):  # slurmstepd ends the step's processes after srun is gone

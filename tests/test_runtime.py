@@ -162,7 +162,7 @@ def test_a_stop_signal_delivered_twice_is_one_stop_and_a_later_one_acts_as_usual
     before = signal.signal(signal.SIGINT, signal.default_int_handler)
     source = RequestSource([], [], learning=False)
     try:
-        with serve_role.stop_on_signals(source):
+        with serve_role.stop_on_signals(source.stop):
             stop()
             stop()
             assert source.stopped == "SIGINT"
@@ -171,3 +171,29 @@ def test_a_stop_signal_delivered_twice_is_one_stop_and_a_later_one_acts_as_usual
                 stop()
     finally:
         signal.signal(signal.SIGINT, before)
+
+
+@pytest.mark.parametrize("groups, dedicated, serving, training", [
+    ({}, False, range(1), range(1, 3)),  # mpirun without Slurm: rank 0 serves, the rest train
+    ({0: 2, 1: 1}, False, range(2), range(2, 3)),  # rank 0 coordinates and serves, rank 1 serves too
+    ({0: 1, 1: 2, 2: 1}, True, range(1, 3), range(3, 4)),  # a coordinator of its own: ranks 1, 2 serve
+])
+def test_the_het_groups_give_each_rank_its_role(monkeypatch: pytest.MonkeyPatch, groups: dict[int, int],
+                                                dedicated: bool, serving: range, training: range) -> None:
+    from tide.runtime.__main__ import het_layout
+
+    for i in range(3):
+        monkeypatch.delenv(f"SLURM_NTASKS_HET_GROUP_{i}", raising=False)
+    for i, n in groups.items():
+        monkeypatch.setenv(f"SLURM_NTASKS_HET_GROUP_{i}", str(n))
+    assert het_layout(sum(groups.values()) or 3, dedicated) == (serving, training)
+
+
+def test_a_dedicated_coordinator_needs_a_het_group_of_one_task(monkeypatch: pytest.MonkeyPatch) -> None:
+    from tide.runtime.__main__ import het_layout
+
+    monkeypatch.setenv("SLURM_NTASKS_HET_GROUP_0", "2")
+    monkeypatch.setenv("SLURM_NTASKS_HET_GROUP_1", "1")
+    monkeypatch.delenv("SLURM_NTASKS_HET_GROUP_2", raising=False)
+    with pytest.raises(SystemExit, match=r"het group 0 must be one task \(the coordinator\).*\[2, 1\] tasks"):
+        het_layout(3, dedicated=True)

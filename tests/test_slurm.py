@@ -28,7 +28,15 @@ from cluster.jobs import ci_config, run_results, submit_run
 from tide.cluster import commands, script, submit
 from tide.cluster.script import JobSpec
 from tide.cluster.submit import Job, SlurmError
-from tide.config import Component, ConfigError, ServeComponent, SlurmConfig, TrainComponent, load_config
+from tide.config import (
+    Component,
+    ConfigError,
+    CoordinatorComponent,
+    ServeComponent,
+    SlurmConfig,
+    TrainComponent,
+    load_config,
+)
 from tide.draft import DraftRegistry
 from tide.draft.acceptance import AcceptanceHistogram
 from tide.store import read_chunk
@@ -90,6 +98,20 @@ def test_render_matches_expected_file() -> None:
         EXPECTED.parent.mkdir(exist_ok=True)
         EXPECTED.write_text(text)
     assert text == EXPECTED.read_text(), f"regenerate with TIDE_UPDATE_EXPECTED=1 if intended: {EXPECTED}"
+
+
+def test_a_coordinator_of_its_own_is_het_group_0_of_three() -> None:
+    """`slurm.coordinator`: its one CPU task first (rank 0), then serving and training; one srun over all."""
+    coord = CoordinatorComponent("login")
+    spec = JobSpec.for_runtime(SlurmConfig(coordinator=coord), "/c.yaml", "/runs/x", python="python")
+    text = script.render_hetjob_script(spec)
+    assert [line for line in text.splitlines() if line.startswith("# het group")] == [
+        "# het group 0: coordinator", "# het group 1: serving", "# het group 2: draft training"]
+    first = sbatch_options(text)[0]  # with the job-wide --requeue and --open-mode
+    asked = ["partition=login", "nodes=1", "ntasks-per-node=1", "cpus-per-task=2"]
+    assert {f"#SBATCH --{o}" for o in asked} < set(first)
+    assert not [line for line in first if "gpus" in line]
+    assert re.search(r"^tide_step \d+ \S+ srun --het-group=0,1,2 --mpi=pmix ", text, re.M)
 
 
 def sbatch_options(text: str) -> list[list[str]]:
@@ -165,11 +187,11 @@ case $FAKE_MODE in hang) exec sleep 300;; fail) exit 9;; esac
 """
 
 
-@pytest.mark.parametrize("mode, rank_cmd, timeout_s, rc, message", [
+@pytest.mark.parametrize("groups, mode, rank_cmd, timeout_s, rc, message", [*[("2,1", *case) for case in [
     ("ok", "true", 0, 0, None),
     ("fail", "true", 0, 0, None),  # every rank exited 0: srun's own code does not count
     ("hang", "true", 0, 0, "the ranks are done, srun did not return (Slurm het-step hang)"),
-    ("ok", "exit $((SLURM_PROCID == 0 ? 5 : 0))", 0, 5, "serving rank 0 exited 5: stopping the job"),
+    ("ok", "exit $((SLURM_PROCID == 0 ? 5 : 0))", 0, 5, "rank 0 (the coordinator) exited 5: stopping the job"),
     ("ok", "exit $((SLURM_PROCID == 1 ? 5 : 0))", 0, 0, "serving instance 1 exited 5: the other instances go on"),
     ("hang", "[ $SLURM_PROCID = 0 ] && exit 6 || sleep 8", 0, 6, "srun still running 3 s after TERM: killing it"),
     ("fail", "exit $((SLURM_PROCID == 2 ? 7 : 0))", 0, 0,
@@ -177,8 +199,13 @@ case $FAKE_MODE in hang) exec sleep 300;; fail) exit 9;; esac
     ("ok", "[ $SLURM_PROCID = 2 ] && sleep 8 || true", 0, 0, "serving is done, ranks still running after 1 s"),
     ("ok", "[ $SLURM_PROCID = 1 ] && sleep 8 || true", 0, 0, "serving is done, ranks still running after 1 s"),
     ("ok", "sleep 3", 1, 143, "srun still running after 1 s: stopping it"),
-])
-def test_step_guard(tmp_path: Path, mode: str, rank_cmd: str, timeout_s: int, rc: int, message: str | None) -> None:
+]], *[("1,1,1", *case) for case in [  # a coordinator of its own: rank 1 serves, rank 2 trains
+    ("ok", "exit $((SLURM_PROCID == 1 ? 5 : 0))", 0, 0, "serving instance 1 exited 5: the other instances go on"),
+    ("ok", "exit $((SLURM_PROCID == 2 ? 7 : 0))", 0, 0, "training rank 2 exited 7: training degraded"),
+    ("ok", "exit $((SLURM_PROCID == 0 ? 5 : 0))", 0, 5, "rank 0 (the coordinator) exited 5: stopping the job"),
+]]])
+def test_step_guard(tmp_path: Path, groups: str, mode: str, rank_cmd: str, timeout_s: int, rc: int,
+                    message: str | None) -> None:
     """tide_step with a fake srun: rank 0 (the coordinator) decides the job's code, a failed serving
     instance or training rank does not end it, and srun's hang after the ranks exit costs
     TIDE_STEP_GRACE, not the job."""
@@ -188,7 +215,7 @@ def test_step_guard(tmp_path: Path, mode: str, rank_cmd: str, timeout_s: int, rc
     text = (f"{script.STEP_GUARD}\ntide_step {timeout_s} {tmp_path}/step {srun} --label -- bash -c {rank_cmd!r}\n"
             "echo rc=$?\n")
     env = {"PATH": os.environ["PATH"], "FAKE_MODE": mode, "TIDE_STEP_GRACE": "1", "TIDE_TRAIN_GRACE": "1",
-           "SLURM_NTASKS_HET_GROUP_0": "2", "SLURM_NTASKS_HET_GROUP_1": "1"}
+           **{f"SLURM_NTASKS_HET_GROUP_{i}": n for i, n in enumerate(groups.split(","))}}
     p = subprocess.run(["bash", "-c", text], env=env, capture_output=True, text=True, timeout=30)
     assert p.stdout.splitlines()[-1] == f"rc={rc}", p
     if message:
@@ -252,6 +279,33 @@ def test_standalone_script_runs_both_groups(cluster: dict[str, str], tmp_path: P
 
 @pytest.mark.slurm
 @pytest.mark.timeout(180)
+def test_standalone_script_runs_a_coordinator_of_its_own_first(cluster: dict[str, str], tmp_path: Path) -> None:
+    """`sbatch [coordinator] : [serving] : [training] slurm/tide_hetjob.sh`: three components on the command
+    line, each given in full (the script's #SBATCH lines describe two, and fill in by position what a
+    component leaves out: --gpus-per-node=0 keeps the serving GPUs off the coordinator); one world over
+    the three, the coordinator rank 0."""
+    coordinator = ["-p", "gpu_train", "-N", "1", "--ntasks-per-node=1", "--gpus-per-node=0", "--cpus-per-task=1"]
+    serve = ["-p", "gpu_infer", "-N", "1", "--ntasks-per-node=2", "--gpus-per-node=1", "--cpus-per-task=1"]
+    train = ["-p", "gpu_train", "-N", "1", "--ntasks-per-node=1", "--gpus-per-node=1", "--cpus-per-task=1"]
+    logs = [f"--output={tmp_path}/tide-%j.out", f"--error={tmp_path}/tide-%j.err"]
+    out = tmp_path / "out"
+    env = {"TIDE_CMD": f"{sys.executable} {PROBE}", "TIDE_PYTHON": sys.executable, "TIDE_SRUN_TIMEOUT": "60"}
+    options = [*logs, "--time=2", *coordinator, ":", "--time=2", *serve, ":", "--time=2", *train]
+    jid = commands.sbatch(STANDALONE, ["configs/ci.yaml", str(out)], options, env)
+    job = Job(jid, tmp_path / f"tide-{jid}.out", tmp_path / f"tide-{jid}.err", out)
+    res = submit.wait(job, WAIT_S)
+    text = res.stdout.read_text()
+    assert res.state == "COMPLETED"
+    assert re.search(rf"tide: job {jid}: coordinator on n[23] \(gpu_train\), serving on n0 \(gpu_infer\), "
+                     r"training on n[23] \(gpu_train\)", text), text
+    ranks = probe_lines(text)
+    assert [(r, ranks[r]["group"], ranks[r]["partition"]) for r in sorted(ranks)] == [
+        (0, 0, "gpu_train"), (1, 1, "gpu_infer"), (2, 1, "gpu_infer"), (3, 2, "gpu_train")]
+    assert all((d["size"], d["allreduce"], d["job_id"]) == (4, 4, jid) for d in ranks.values())
+
+
+@pytest.mark.slurm
+@pytest.mark.timeout(180)
 def test_rendered_script_runs_both_groups(cluster: dict[str, str], tmp_path: Path) -> None:
     job = submit.submit(probe_spec(tmp_path), executor="sbatch")
     res = submit.wait(job, WAIT_S)
@@ -292,7 +346,7 @@ def test_failure_carries_evidence(cluster: dict[str, str], tmp_path: Path, execu
     assert f"Slurm job {job.job_id} did not complete: state FAILED; log {job.stderr}" in msg
     assert re.search(r"mpi_probe: deliberate failure on rank [01] \(het group 0\)", msg)
     # the first serving rank seen to fail; its code is 1 under submitit's runner
-    assert re.search(r"tide: serving rank [01] exited (3|1): stopping the job", msg)
+    assert re.search(r"tide: (rank 0 \(the coordinator\)|serving instance 1) exited (3|1)", msg)
     if executor == "slurm":
         assert job.submitit_job is not None and job.submitit_job.get_info(mode="force")["State"] == "FAILED"
 
@@ -386,6 +440,31 @@ def plain_outputs(config: Path, out: Path, served: list[dict]) -> dict[str, list
     return {r.request_id: r.output_ids for r in results}
 
 
+def instance_requests(out: Path, rank: int) -> list[dict]:
+    path = out / "instances" / str(rank) / "requests.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def assert_instances_share_the_loop(config: Path, out: Path, rows: dict[int, list[dict]],
+                                    versions: dict[int, list[int]]) -> None:
+    """Each prompt went to one instance; the one trainer learned from every instance's rows; every
+    instance swapped to the same trained draft; six requests of each, served by a trained draft,
+    have a plain engine's greedy output."""
+    base = {rank: {r["request_id"].split("~")[0] for r in reqs} for rank, reqs in rows.items()}
+    assert all(base[a].isdisjoint(base[b]) for a in base for b in base if a < b)  # each prompt has one instance
+    meta = RunLayout.open(load_config(config), out).target.chunk_meta()
+    reg = DraftRegistry(out / "drafts")
+    trained = {run.request_id.split("~")[0] for v in range(1, reg.latest() + 1)
+               for name in reg.meta(v)["source_chunks"] for run in read_chunk(out / "store" / name, meta)}
+    assert all(trained & prompts for prompts in base.values())
+    both = set.intersection(*(set(v) for v in versions.values()))
+    assert both and min(both) >= 1, versions
+    picked = [r for reqs in rows.values() for r in [x for x in reqs if x["speculate"] and x["draft_version"] >= 1][:6]]
+    assert len(picked) == 6 * len(rows)
+    plain = plain_outputs(config, out, picked)
+    assert all(r["output_ids"] == plain[r["request_id"]] for r in picked)
+
+
 @pytest.mark.slurm
 @pytest.mark.timeout(RUN_WAIT_S + 120)
 def test_two_serving_instances_share_the_store_the_trainer_and_the_drafts(cluster: dict[str, str],
@@ -402,24 +481,35 @@ def test_two_serving_instances_share_the_store_the_trainer_and_the_drafts(cluste
     s, reqs = run_results(out)
     first, second = s["instances"]
     assert (first["state"], second["state"], s["spread"]) == ("coordinator", "done", "round-robin")
-    other = [json.loads(line) for line in (out / "instances" / "1" / "requests.jsonl").read_text().splitlines()]
+    other = instance_requests(out, 1)
     assert len(reqs) == first["requests"] and len(other) == second["requests"] > 0
     assert s["total"]["requests"] == len(reqs) + len(other)
-    base = [{r["request_id"].split("~")[0] for r in rows} for rows in (reqs, other)]
-    assert not base[0] & base[1]  # each prompt has one instance
-    meta = RunLayout.open(load_config(config), out).target.chunk_meta()
-    reg = DraftRegistry(out / "drafts")
-    trained = {run.request_id.split("~")[0] for v in range(1, reg.latest() + 1)
-               for name in reg.meta(v)["source_chunks"] for run in read_chunk(out / "store" / name, meta)}
-    assert trained & base[0] and trained & base[1]  # the one trainer learned from both instances' rows
-    both = set(first["versions"]) & set(second["versions"])
-    assert both and min(both) >= 1, (first, second)
     swapped = [e for e in s["events"] if e["kind"] == "swap" and e["data"].get("instance") == 1]
     assert {e["version"] for e in swapped} == set(second["versions"])  # reported to the coordinator
-    picked = [r for rows in (reqs, other) for r in [x for x in rows if x["speculate"] and x["draft_version"] >= 1][:6]]
-    assert len(picked) == 12
-    plain = plain_outputs(config, out, picked)
-    assert all(r["output_ids"] == plain[r["request_id"]] for r in picked)
+    assert_instances_share_the_loop(config, out, {0: reqs, 1: other}, {0: first["versions"], 1: second["versions"]})
+
+
+@pytest.mark.slurm
+@pytest.mark.timeout(RUN_WAIT_S + 120)
+def test_a_coordinator_of_its_own_drives_two_instances(cluster: dict[str, str], tmp_path: Path) -> None:
+    """`slurm.coordinator`: rank 0, a het group of one CPU task, serves nothing; ranks 1 and 2 (two
+    nodes) are the instances and rank 3 trains. Both capture, the trainer trains on both instances'
+    rows, both swap to the same drafts, their greedy output is a plain engine's, and the run ends once
+    `workload.until` holds over both instances' requests together."""
+    coordinator = {"partition": "gpu_train", "cpus_per_task": 1}
+    job, config, out = submit_run(tmp_path, slurm={"serve": TWO_INSTANCES, "coordinator": coordinator}, **E2E)
+    assert submit.wait(job, RUN_WAIT_S).state == "COMPLETED"
+    err = job.stderr.read_bytes().decode()
+    assert not re.search(r"^0: .* engine: started in ", err, re.M)  # rank 0 has no engine
+    assert re.search(r"^1: .* engine: started in ", err, re.M) and re.search(r"^2: .* engine: started in ", err, re.M)
+    assert not re.search(r"^tide: (rank 0|serving|training)", err, re.M)  # every rank exited 0
+    s = json.loads((out / "summary.json").read_text())
+    assert (s["coordinator"], s["training"], s["until_met"], s["spread"]) == ("dedicated", "ok", True, "round-robin")
+    assert [(r["rank"], r["state"]) for r in s["instances"]] == [(1, "done"), (2, "done")]
+    rows = {rank: instance_requests(out, rank) for rank in (1, 2)}
+    assert s["total"]["requests"] == sum(map(len, rows.values())) and all(rows.values())
+    assert any(e["kind"] == "stop" and "until met over all instances" in e["reason"] for e in s["events"])
+    assert_instances_share_the_loop(config, out, rows, {r["rank"]: r["versions"] for r in s["instances"]})
 
 
 @pytest.fixture(scope="module")

@@ -3,14 +3,16 @@ tests/expected/hetjob.sbatch), and the step guard every TIDE batch script runs i
 
 Het group 0 serves (H100-class nodes), het group 1 trains the draft (MI250-class nodes); one
 `srun --het-group=0,1 --mpi=pmix` step runs the same command on every rank of both, giving ONE
-MPI_COMM_WORLD with group 0's ranks first. Nothing in a het step's environment names the rank's group:
-derive it from SLURM_PROCID and SLURM_NTASKS_HET_GROUP_<i>; and SLURM_JOB_PARTITION holds the *last*
-group's partition on every rank (use SLURM_JOB_PARTITION_HET_GROUP_<i>).
+MPI_COMM_WORLD with group 0's ranks first. With `slurm.coordinator` the coordinator has a group of its
+own, first (rank 0, one CPU task), and serving and training move to groups 1 and 2. Nothing in a het
+step's environment names the rank's group: derive it from SLURM_PROCID and SLURM_NTASKS_HET_GROUP_<i>;
+and SLURM_JOB_PARTITION holds the *last* group's partition on every rank (use
+SLURM_JOB_PARTITION_HET_GROUP_<i>).
 
-`tide_step` (STEP_GUARD, the file tide_step.sh beside this module): the serving ranks' exit codes
-decide the job's (a failed serving rank ends the step, a failed training rank only degrades
-training), srun of a het step sometimes does not return after all ranks have exited (Slurm 22.05
-mpi/pmix) and is then killed, and srun gets a deadline.
+`tide_step` (STEP_GUARD, the file tide_step.sh beside this module): rank 0's exit code decides the
+job's (a failed coordinator ends the step; a failed serving instance ends only itself, a failed
+training rank only degrades training), srun of a het step sometimes does not return after all
+ranks have exited (Slurm 22.05 mpi/pmix) and is then killed, and srun gets a deadline.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ class JobSpec:
 
     slurm: SlurmConfig
     command: tuple[str, ...]
-    output_dir: str  # absolute; must be on a filesystem shared by both components
+    output_dir: str  # absolute; must be on a filesystem shared by every component
 
     def __post_init__(self) -> None:
         if not Path(self.output_dir).is_absolute() or any(c in self.output_dir for c in ' \t\n"$`\\\''):
@@ -55,7 +57,13 @@ class JobSpec:
 
     @property
     def components(self) -> tuple[Component, ...]:
-        return (self.slurm.serve, self.slurm.train)
+        """The het groups in order: the coordinator's (when it has one), serving, training."""
+        first = (self.slurm.coordinator,) if self.slurm.coordinator else ()
+        return (*first, self.slurm.serve, self.slurm.train)
+
+    @property
+    def roles(self) -> tuple[str, ...]:
+        return ("coordinator",) * bool(self.slurm.coordinator) + ("serving", "draft training")
 
     @property
     def srun_timeout_s(self) -> int:
@@ -107,11 +115,10 @@ def render_hetjob_script(spec: JobSpec) -> str:
              "# a requeued run resumes from its newest draft and stored rows, and appends to the logs",
              "#SBATCH --requeue",
              "#SBATCH --open-mode=append"]
-    roles = ("serving", "draft training")
-    for i, comp in enumerate(spec.components):
+    for i, (comp, role) in enumerate(zip(spec.components, spec.roles)):
         if i:
             lines.append("#SBATCH hetjob")
-        lines.append(f"# het group {i}: {roles[i]}")
+        lines.append(f"# het group {i}: {role}")
         lines += sbatch_lines({"time": time_str(s.time), "signal": spec.signal, **comp.sbatch_options()})
     lines += ["", "export PYTHONUNBUFFERED=1", *exports({"TIDE_TRAIN_RESTARTS": s.train_restarts, **s.env}), "",
               *STEP_GUARD.splitlines(), ""]

@@ -1,33 +1,35 @@
 # shellcheck shell=bash
 # The step guard every TIDE batch script uses (sourced by slurm/tide_hetjob.sh, embedded in the
 # scripts tide.cluster.script renders: a script Slurm copied to its spool must stand alone).
-# One srun step over every het group, guarded. Het group 0's ranks serve, the others train. Each
-# rank leaves its exit code in DIR/<rank>. If rank 0 (the coordinator, which also serves) fails, the
-# step ends (srun gets TERM) and the job fails with its code; a further serving instance (rank 1 ..
-# of group 0) that fails ends only itself, and a training rank that fails only degrades training:
-# the coordinator goes on and decides the job's code. Once rank 0 has exited 0 (it waits for its
-# instances), the ranks still running get TIDE_TRAIN_GRACE (60) s, then TERM. Slurm 22.05's srun can hang after all tasks of a het
+# One srun step over every het group, guarded. The last het group's ranks train, the others serve;
+# rank 0 coordinates (and serves, unless it has a het group of its own). Each rank leaves its exit
+# code in DIR/<rank>. If rank 0 fails, the step ends (srun gets TERM) and the job fails with its
+# code; a serving instance (rank 1 .. of the serving group) that fails ends only itself, and a
+# training rank that fails only degrades training: the coordinator goes on and decides the job's
+# code. Once rank 0 has exited 0 (it waits for its instances), the ranks still running get
+# TIDE_TRAIN_GRACE (60) s, then TERM. Slurm 22.05's srun can hang after all tasks of a het
 # step have exited (mpi/pmix: srun joins its PMIx abort-agent thread once per het component), and
 # then ignores TERM: it gets TIDE_STEP_GRACE (10) s to return once every rank is done, 3 times that
 # once it got TERM, and is then killed. After SECS seconds (0 = never) srun gets TERM.
 # A training component that failed while serving goes on is started again, TIDE_TRAIN_RESTARTS (0)
-# times at most, TIDE_TRAIN_RESTART_S (30) s after it was lost: a step of its own on het group 1
+# times at most, TIDE_TRAIN_RESTART_S (30) s after it was lost: a step of its own on the last het group
 # (--overlap: the first step still holds the resources), running COMMAND --rejoin, which joins the
 # coordinator (tide.runtime.rejoin). Once the first step has ended it gets TIDE_STEP_GRACE s to
 # exit, then TERM, and KILL as long again later.
 tide_step() {  # tide_step SECS DIR SRUN [OPTIONS...] -- COMMAND...
   local secs=$1 grace=${TIDE_STEP_GRACE:-10} linger=${TIDE_TRAIN_GRACE:-60} t=0 n=0 n0 f r c v rc
   local restarts=${TIDE_TRAIN_RESTARTS:-0} delay=${TIDE_TRAIN_RESTART_S:-30} again=-1 jpid=0
-  local all=-1 served=-1 stop=-1 srun=() jsrun=() code=()
+  local all=-1 served=-1 stop=-1 srun=() jsrun=() code=() last=0
   export TIDE_STEP_DIR=$2
   shift 2
   while [[ $1 != -- ]]; do srun+=("$1"); shift; done
   shift
-  for v in "${srun[@]}"; do [[ $v == --het-group=* ]] && v=--het-group=1; jsrun+=("$v"); done
+  for v in ${!SLURM_NTASKS_HET_GROUP_*}; do n=$((n + ${!v})); ((${v##*_} > last)) && last=${v##*_}; done
+  for v in "${srun[@]}"; do [[ $v == --het-group=* ]] && v=--het-group=$last; jsrun+=("$v"); done
   jsrun+=(--overlap)
-  for v in ${!SLURM_NTASKS_HET_GROUP_*}; do n=$((n + ${!v})); done
   ((n)) || n=${SLURM_NTASKS:-1}
-  n0=${SLURM_NTASKS_HET_GROUP_0:-$n}
+  v=SLURM_NTASKS_HET_GROUP_$last
+  n0=$((last ? n - ${!v} : n))  # ranks below n0 serve or coordinate, the others train
   mkdir -p "$TIDE_STEP_DIR"
   rm -rf "${TIDE_STEP_DIR:?}"/*  # a requeued job runs again under the same id: the last run's exit codes do not count
   # each rank in a session (process group) of its own, killed once the rank has exited: a child that
@@ -47,7 +49,7 @@ tide_step() {  # tide_step SECS DIR SRUN [OPTIONS...] -- COMMAND...
       c=$(<"$f")
       code[r]=$c
       if ((c && r == 0)); then
-        echo "tide: serving rank $r exited $c: stopping the job" >&2
+        echo "tide: rank 0 (the coordinator) exited $c: stopping the job" >&2
         ((stop >= 0)) || { kill -TERM "$pid" 2>/dev/null; stop=$t; }
       elif ((c && r < n0)); then
         echo "tide: serving instance $r exited $c: the other instances go on" >&2

@@ -8,6 +8,7 @@ from tide.config.schema import (
                                 CollectConfig,
                                 Component,
                                 ControlConfig,
+                                CoordinatorComponent,
                                 DraftConfig,
                                 ModelConfig,
                                 RollbackConfig,
@@ -26,8 +27,8 @@ from tide.config.schema import (
 )
 
 __all__ = [
-    "CollectConfig", "Component", "ConfigError", "ControlConfig", "DraftConfig", "ModelConfig", "RollbackConfig",
-    "RuntimeConfig", "ServeComponent", "ServeConfig", "SlurmConfig", "SpeculationConfig", "StoreConfig",
-    "TideConfig", "TrainComponent", "TrainConfig", "UntilConfig", "WorkloadConfig", "check", "from_dict",
-    "load_config", "to_dict",
+    "CollectConfig", "Component", "ConfigError", "ControlConfig", "CoordinatorComponent", "DraftConfig",
+    "ModelConfig", "RollbackConfig", "RuntimeConfig", "ServeComponent", "ServeConfig", "SlurmConfig",
+    "SpeculationConfig", "StoreConfig", "TideConfig", "TrainComponent", "TrainConfig", "UntilConfig",
+    "WorkloadConfig", "check", "from_dict", "load_config", "to_dict",
 ]

@@ -175,13 +175,30 @@ class TrainComponent(Component):
 
 
 @dataclass(frozen=True)
+class CoordinatorComponent(Component):
+    """Het group 0 when the coordinator has a component of its own: one CPU task, no GPU."""
+
+    partition: str = "cpu"
+    cpus_per_task: int = 2
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.nodes * self.ntasks_per_node != 1 or self.gpus_per_node:
+            raise ValueError("CoordinatorComponent: one task on one node and no GPU (nodes 1, ntasks_per_node 1, "
+                             f"gpus_per_node 0), got {self.nodes} x {self.ntasks_per_node}, {self.gpus_per_node} GPUs")
+
+
+@dataclass(frozen=True)
 class SlurmConfig:
     """The `slurm:` config section: what to ask Slurm for. Runtime values (command, output dir) are not here."""
 
     job_name: str = "tide"
-    time: int = 120  # minutes, for both components (sbatch --time)
-    serve: ServeComponent = ServeComponent()  # het group 0
-    train: TrainComponent = TrainComponent()  # het group 1
+    time: int = 120  # minutes, for every component (sbatch --time)
+    serve: ServeComponent = ServeComponent()  # het group 0 (1 with a coordinator of its own)
+    train: TrainComponent = TrainComponent()  # het group 1 (2 with a coordinator of its own)
+    # A het group of its own for the coordinator, first (rank 0): it serves nothing and every rank of
+    # `serve` is an instance. None: rank 0 coordinates and serves (one GPU slot less to plan for).
+    coordinator: CoordinatorComponent | None = None
     env: dict[str, str] = field(default_factory=dict)  # exported in the batch script, for every rank
     srun_timeout_s: int = 0  # srun is stopped after this; 0 = time minus a margin, for the script to report
     mpi: str = "pmix"  # Debian's Open MPI works only with pmix (MPICH only with pmi2)

@@ -3,7 +3,8 @@
 Under Slurm (`srun --het-group=0,1 --mpi=pmix`) every rank runs this; MPI_COMM_WORLD spans both
 components, component 0 (inference) first. Rank 0 is the coordinator and serves; every further rank
 of component 0 is one more serving instance (its own vLLM engine and share of the workload); component 1
-ranks train as one DeepSpeed group. A local trainer started by `tide.launch` gets `--fd`, the
+ranks train as one DeepSpeed group. With `slurm.coordinator` rank 0 is a het group of its own that
+only coordinates, and serving and training are groups 1 and 2. A local trainer started by `tide.launch` gets `--fd`, the
 socket to the coordinator, instead of MPI. A training component started again after it was lost
 (`--rejoin`, its own srun step) joins the coordinator over TCP (tide.runtime.rejoin).
 """
@@ -33,11 +34,19 @@ def slurm_cpus(group: int) -> int:
     return int(value) if value.isdigit() else 0
 
 
-def het_layout(rank: int, size: int) -> tuple[int, int]:
-    """(ranks in component 0, ranks in component 1). Slurm names no component in a het step's
-    environment: derive it from SLURM_NTASKS_HET_GROUP_0 (one component: rank 0 serves, rest train)."""
-    n0 = int(os.environ.get("SLURM_NTASKS_HET_GROUP_0", "1"))
-    return n0, size - n0
+def het_layout(size: int, dedicated: bool) -> tuple[range, range]:
+    """(serving ranks, training ranks). Slurm names no component in a het step's environment: derive
+    them from SLURM_NTASKS_HET_GROUP_<i>. Rank 0 coordinates: it serves too (het group 0 serves, 1
+    trains), unless it has a group of its own (`slurm.coordinator`: group 0 is that one task, 1
+    serves, 2 trains). Without Slurm: rank 0 serves, the rest train."""
+    groups = [int(os.environ[f"SLURM_NTASKS_HET_GROUP_{i}"]) for i in range(3)
+              if f"SLURM_NTASKS_HET_GROUP_{i}" in os.environ] or [1]
+    if dedicated:
+        if len(groups) < 2 or groups[0] != 1:
+            raise SystemExit(f"tide.runtime: slurm.coordinator is set, so het group 0 must be one task (the "
+                             f"coordinator) before the serving group; the job's groups have {groups} tasks")
+        return range(1, 1 + groups[1]), range(1 + groups[1], size)
+    return range(groups[0]), range(groups[0], size)
 
 
 def trainer_group_env(comm, n0: int) -> None:
@@ -84,38 +93,48 @@ def rank(args: argparse.Namespace) -> int:
         run_trainer(cfg, run_dir, SocketTransport(socket.socket(fileno=args.fd), rank=1, peer=0))
         return 0
     transport: MPITransport | JoinableTransport | RelayTransport = MPITransport()
+    dedicated = cfg.slurm.coordinator is not None  # het groups: coordinator, serving, training
     if args.rejoin:  # this step's ranks train; its first joins the coordinator and relays to the others
-        bind_cores(args.cores, slurm_cpus(1))
+        bind_cores(args.cores, slurm_cpus(2 if dedicated else 1))
         trainer_group_env(transport.comm, 0)
         if transport.rank == 0:
             transport = RelayTransport(join(args.out), transport)
         run_trainer(cfg, run_dir, transport)
         transport.close()
         return 0
-    n0, n1 = het_layout(transport.rank, transport.size)
-    if transport.rank >= n0:
-        bind_cores(args.cores, slurm_cpus(1))
-        trainer_group_env(transport.comm, n0)
+    serving, trainers = het_layout(transport.size, dedicated)
+    if transport.rank in trainers:
+        bind_cores(args.cores, slurm_cpus(2 if dedicated else 1))
+        trainer_group_env(transport.comm, trainers.start)
         run_trainer(cfg, run_dir, transport)
         transport.close()
         return 0
-    bind_serving(args.cores, slurm_cpus(0), cfg.serve.tensor_parallel_size)
+    if transport.rank == 0 and trainers:  # a training component lost later can come back
+        transport = JoinableTransport(transport, list(trainers), run_dir.out)
     http = server_options.from_args(args)
-    leader, trainers = (None, list(range(n0, n0 + n1))) if transport.rank == 0 else (0, [])
-    if leader is None and n1:  # a training component lost later can come back
-        transport = JoinableTransport(transport, trainers, run_dir.out)
+    if dedicated and transport.rank == 0:  # no engine: the instances serve, each its own endpoint
+        from tide.runtime.serve_role import run_dedicated
+
+        bind_cores(args.cores, slurm_cpus(0))
+        run_dedicated(cfg, run_dir, transport, list(trainers), list(serving))
+        transport.close()
+        return 0
+    bind_serving(args.cores, slurm_cpus(1 if dedicated else 0), cfg.serve.tensor_parallel_size)
+    instances = [r for r in serving if r]  # the serving ranks that follow rank 0
+    leader = None if transport.rank == 0 else 0
     if http is not None:  # imports vLLM: after bind_serving's environment
         from tide.runtime.openai_server import run_server
 
-        run_server(cfg, run_dir, transport, trainers, http, instances=list(range(1, n0)), leader=leader)
+        run_server(cfg, run_dir, transport, list(trainers) if leader is None else [], http, instances=instances,
+                   leader=leader)
     elif leader is not None:
         from tide.runtime.serve_role import run_instance
 
-        run_instance(cfg, run_dir, transport, leader, instances=n0)
+        run_instance(cfg, run_dir, transport, leader, share=serving.index(transport.rank), shares=len(serving))
     else:
         from tide.runtime.serve_role import run_coordinator
 
-        run_coordinator(cfg, run_dir, transport, trainers, instances=list(range(1, n0)))
+        run_coordinator(cfg, run_dir, transport, list(trainers), instances=instances)
     transport.close()
     return 0
 

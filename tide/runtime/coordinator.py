@@ -9,7 +9,8 @@ been stored. Every decision is recorded with its time and reason.
 With several serving instances (ranks 1.. of component 0, `tide.runtime.instance`), the coordinator
 also runs the collection gate on every instance's per-request acceptance, counts the rows they store,
 tells them when to capture and which draft to deploy, and records what each did with it; each
-instance keeps its own speculation gate and rollback on its own engine.
+instance keeps its own speculation gate and rollback on its own engine. A dedicated coordinator
+(`slurm.coordinator`, `engine` None) does only that: it serves nothing itself.
 
 `control.policy` picks how much of that runs: `adaptive` (all gates), `always` (the paper's
 TIDE-default: speculate, collect, train and deploy without gates) or `frozen` (a static draft: speculate,
@@ -24,7 +25,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from tide.config import TideConfig
+from tide.config import TideConfig, UntilConfig
 from tide.control import (
     CollectAction,
     CollectionGate,
@@ -54,6 +55,7 @@ from tide.runtime.messages import (
 )
 from tide.runtime.transport import Transport
 from tide.serve.engine import EngineControl, RequestResult, Window
+from tide.workload import Finished, until_status
 
 log = logging.getLogger(__name__)
 
@@ -78,16 +80,18 @@ class Peer:
 
 
 class Coordinator:
-    def __init__(self, cfg: TideConfig, engine: EngineControl, transport: Transport | None,
+    def __init__(self, cfg: TideConfig, engine: EngineControl | None, transport: Transport | None,
                  trainer_ranks: list[int], drafts_root: str = "", resume_ns: int = 0,
-                 instances: list[int] | None = None) -> None:
+                 instances: list[int] | None = None, version: int = 0) -> None:
         self.cfg, self.engine, self.transport = cfg, engine, transport
+        self.gamma = engine.gamma if engine else cfg.serve.num_speculative_tokens
+        self._version = version  # the draft deployed, where no engine of ours serves it
         self.trainer_ranks = list(trainer_ranks)
         self.peers = {r: Peer(time.time()) for r in instances or []}  # the other serving instances, by rank
         self.eval_counts: dict[int, list[int]] = {}  # each trained draft's held-out histogram (for Deploy)
         self.policy = cfg.control.policy
         self.collect = CollectionGate(cfg.control.collect)
-        self.rollback = RollbackGate(cfg.control.rollback, engine.gamma)
+        self.rollback = RollbackGate(cfg.control.rollback, self.gamma)
         self.gate: SpeculationGate | None = None
         self.model: LatencyModel | None = None  # step latencies: the start-up profile, refit while serving
         self._reported: dict[str, float] = {}  # the model's figures as last recorded
@@ -96,12 +100,13 @@ class Coordinator:
         self._estimate: PositionRates | None = None  # the serving draft's held-out walk, from its training cycle
         self.held_out: dict[int, PositionRates] = {}  # each trained draft's held-out walk
         self.events: list[Event] = []
-        self.eval_al: dict[int, float] = {engine.version: float("nan")}
+        self.eval_al: dict[int, float] = {self.version: float("nan")}
         self.cycles_asked = 0
         self.in_flight: tuple[int, float] | None = None  # (cycle, when asked) until its answer comes
         self.progress: TrainProgress | None = None  # of the cycle in flight
         self.trainer_seen = time.time()
         self.trainer_alive = bool(trainer_ranks)
+        self.finished: list[tuple[Finished, int]] = []  # the instances' requests, with len(events) then
         self._since_ns = 0  # the current regime's start: its collections count, its cycles read chunks named since
         self._resume_ns = resume_ns  # a restarted run's first collection starts here (serve_role.resume_point)
         self._counted = 0  # rows stored since then, as last counted
@@ -112,6 +117,11 @@ class Coordinator:
         self.drafts_root = drafts_root
 
     # ------------------------------------------------------------------ bookkeeping
+    @property
+    def version(self) -> int:
+        """The draft serving: this engine's, or (a dedicated coordinator) the one last deployed."""
+        return self.engine.version if self.engine else self._version
+
     def now(self) -> float:
         return time.perf_counter() - self._t0
 
@@ -144,10 +154,10 @@ class Coordinator:
         """Profile the latencies the speculation gate needs (its prior), set the draft lengths; a fresh
         (untrained) draft shows no shift: collect from the start."""
         fixed = self.cfg.serve.fixed_lengths()
-        if self.policy == "adaptive" and self.engine.speculative:
+        if self.policy == "adaptive" and self.engine is not None and self.engine.speculative:
             self.model = self.engine.profile(self.cfg.serve.max_num_seqs)
             self._reported = self._figures(self.model)
-            m, K = self.model, self.engine.gamma
+            m, K = self.model, self.gamma
             t = ", ".join(f"{b},{n}:{s * 1e3:.1f}" for (b, n), s in sorted(m.target.items()))
             self.record("profile", f"T(b,n) {t} ms, "
                         f"D(1, k) {', '.join(f'{m.draft_latency(1, k) * 1e3:.1f}' for k in range(1, K + 1))} ms: "
@@ -157,15 +167,16 @@ class Coordinator:
                 self.gate = SpeculationGate(self.cfg.control.speculation, self.model, self.cfg.serve.max_num_seqs)
                 self.engine.set_draft_lengths(self.gate.lengths)
                 self.engine.set_probe(self.cfg.control.speculation.probe_every)
-        if fixed is not None:
+        if fixed is not None and self.engine is not None:
             self.engine.set_draft_lengths(fixed)
         if self.policy == "frozen" or not self.trainer_ranks:  # nothing would learn from what is captured
-            self.engine.set_capture(False)
+            if self.engine is not None:
+                self.engine.set_capture(False)
         elif self.policy == "always":
             self._apply(self.collect.collect_now("policy always: collect from the start"))
         else:  # no draft has seen this workload yet: a regime from the start (it ends at the first plateau)
-            start = "an untrained draft" if self.engine.version == 0 and not self.cfg.draft.init else \
-                f"draft v{self.engine.version}"
+            start = "an untrained draft" if self.version == 0 and not self.cfg.draft.init else \
+                f"draft v{self.version}"
             self._apply(self.collect.collect_now(f"serving starts with {start}: learn the live workload"))
 
     def serving_starts(self) -> None:
@@ -228,7 +239,8 @@ class Coordinator:
         """Counted exactly as the trainer will read: rows in chunks named since collection started, of
         this engine and, as last reported, of every other instance."""
         if self.collect.collecting and self.trainer_alive:
-            rows = self.engine.stored_since(self._since_ns) + sum(p.rows for p in self.peers.values())
+            own = self.engine.stored_since(self._since_ns) if self.engine else 0
+            rows = own + sum(p.rows for p in self.peers.values())
             new, self._counted = rows - self._counted, rows
             d = self.collect.on_stored(new) if new > 0 else None
             if d is not None and d.action is not CollectAction.WAIT:
@@ -275,7 +287,7 @@ class Coordinator:
                 else:
                     d = self.collect.on_trained(msg.version, msg.eval_al, msg.base_al)
                     kept = d.action in (CollectAction.HOLD, CollectAction.REJECT)
-                    if kept and msg.base_version == self.engine.version:
+                    if kept and msg.base_version == self.version:
                         self._estimate = base  # the live draft on fresh data: the gate's evidence while off
                     self._apply(d)
             elif isinstance(msg, TrainFailed):
@@ -302,6 +314,7 @@ class Coordinator:
         if isinstance(msg, InstanceReport):
             for first in msg.first_acceptance:
                 self._acceptance(first)
+            self.finished += [(Finished(v >= 0, v), len(self.events)) for v in msg.served]
             if msg.since_ns == self._since_ns:
                 peer.rows = msg.stored_rows
         elif isinstance(msg, InstanceEvent):
@@ -328,7 +341,8 @@ class Coordinator:
     def _sync_capture(self) -> None:
         """Capture while collecting, on every instance; a collection counts chunks named from its start."""
         on = self.collect.collecting
-        self.engine.set_capture(on)
+        if self.engine is not None:
+            self.engine.set_capture(on)
         self._tell_peers(Capture(on, self._since_ns))
 
     def finish(self, stop: str = "") -> None:
@@ -339,11 +353,34 @@ class Coordinator:
         if self._serving():
             log.info("coordinator: waiting for instance(s) %s", self._serving())
         while self._serving():
-            self._poll()
-            self._count_stored()
-            self._check_trainer()
-            self._check_peers()
-            time.sleep(0.1)
+            self._tick()
+
+    def coordinate(self, until: UntilConfig | None, stopped: list[str]) -> bool:
+        """A dedicated coordinator's serving time: coordinate until every instance is done or down; end
+        their workloads once `until` holds over all their requests, or a stop signal was appended to
+        `stopped`. Whether `until` was met (True without one)."""
+        t0, told, met = time.monotonic(), False, until is None
+        while self._serving():
+            self._tick()
+            if told:
+                continue
+            why = stopped[0] if stopped else ""
+            if until is not None and not why:
+                done, met = until_status(until, self.events, 0, self.finished, time.monotonic() - t0)
+                why = ("workload.until met over all instances" if met else
+                       f"workload.until not met within max_s {until.max_s:.0f} s") if done else ""
+            if why:
+                self.record("stop", f"{why}: the instances finish the requests in flight")
+                self._tell_peers(Shutdown(why))
+                told = True
+        return met
+
+    def _tick(self) -> None:
+        self._poll()
+        self._count_stored()
+        self._check_trainer()
+        self._check_peers()
+        time.sleep(0.1)
 
     # ------------------------------------------------------------------ latency model, speculation gate
     def _learn(self, w: Window) -> None:
@@ -353,12 +390,12 @@ class Coordinator:
         costs = w.costs
         if not costs or not costs.get("target"):
             return
-        most = self.cfg.serve.max_num_seqs * (self.engine.gamma + 1)  # decode and verify steps; not prefills
+        most = self.cfg.serve.max_num_seqs * (self.gamma + 1)  # decode and verify steps; not prefills
         if self.model is None:  # no start-up profile (policy always or frozen): learn from serving alone
             target = {key: s / c for key, (c, s) in costs["target"].items() if c and cost_key(key)[1] <= most}
             if not target:
                 return
-            self.model = LatencyModel.from_json({"target": target, "draft": {}, "gamma": self.engine.gamma})
+            self.model = LatencyModel.from_json({"target": target, "draft": {}, "gamma": self.gamma})
         self.model.observe_costs(costs, most)
         now = self._figures(self.model)
         moved = [k for k, v in now.items() if abs(v - self._reported.get(k, 0.0)) > 0.1 * max(v, 1e-9)]
@@ -392,7 +429,7 @@ class Coordinator:
 
     def _live_rates(self) -> PositionRates:
         """The live draft's per-position acceptance over the recent windows the gates keep."""
-        live = PositionRates(self.engine.gamma)
+        live = PositionRates(self.gamma)
         for r in self._live:
             live.merge(r)
         return live
@@ -410,7 +447,7 @@ class Coordinator:
         speculation off no shift can show, so the last regime goes on: its next cycle trains on all of
         its rows (within retention) once `n_threshold` more are stored, not on those new rows alone."""
         if self.trainer_alive and not self.collect.collecting:
-            self._apply(self.collect.collect_now(f"speculation off: draft v{self.engine.version} does not pay yet; "
+            self._apply(self.collect.collect_now(f"speculation off: draft v{self.version} does not pay yet; "
                                                  "the regime goes on"), regime_goes_on=True)
 
     # ------------------------------------------------------------------ actions
@@ -422,16 +459,16 @@ class Coordinator:
         self.in_flight, self.progress = (self.cycles_asked, time.time()), None
         for r in self.trainer_ranks:
             self.transport.send(r, Train(self.cycles_asked, self.cfg.store.retention_tokens, self._since_ns,  # type: ignore[union-attr]
-                                         self.engine.version, reason))
+                                         self.version, reason))
         self.record("train", reason, data_cycle=self.cycles_asked)
 
     def _deploy(self, version: int, reason: str) -> None:
-        previous, before = self.engine.version, self._live_rates()
+        previous, before = self.version, self._live_rates()
         if not self._swap(version):
             return
         self.record("deploy", reason, version)
         self._estimate = self.held_out.get(version)
-        if self.policy == "adaptive" and self._estimate is not None:
+        if self.policy == "adaptive" and self._estimate is not None and self.engine is not None:
             control = self.cfg.control  # the gates keep about speculation.min_steps of recent steps
             enough = before.steps >= min(control.rollback.window_steps, control.speculation.min_steps)
             self.rollback.watch(version, self._estimate.rates()[0], previous, before.rates()[0] if enough else None)
@@ -439,6 +476,9 @@ class Coordinator:
         self._sync_capture()
 
     def _swap(self, version: int) -> bool:
+        if self.engine is None:  # the instances swap, each between its own steps, and report it
+            self._version = version
+            return True
         path = f"{self.drafts_root}/v{version}"
         try:
             pause = self.engine.swap(path, version)
@@ -472,7 +512,7 @@ class Coordinator:
             self.trainer_alive, self.in_flight, self.progress = False, None, None
             self.record("trainer-down", "trainer connection closed" if closed else
                         f"no heartbeat for {self.cfg.runtime.trainer_timeout_s:.0f} s: serving goes on with "
-                        f"draft v{self.engine.version}")
+                        f"draft v{self.version}")
             self._apply(self.collect.on_training_failed("trainer down"))
 
     def shutdown(self, reason: str) -> None:

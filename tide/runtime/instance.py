@@ -32,6 +32,7 @@ class Instance(Coordinator):
         self.leader, self.on_stop = leader, on_stop
         self._capture = False  # as the coordinator said
         self._finished: list[float] = []  # first-draft acceptance of requests finished since the last report
+        self._served: list[int] = []  # their draft versions (-1: not speculated)
 
     def record(self, kind: str, reason: str, version: int | None = None, **data: Any) -> None:
         super().record(kind, reason, version, **data)
@@ -42,13 +43,14 @@ class Instance(Coordinator):
     def on_result(self, r: RequestResult) -> None:
         if r.speculate and sum(r.accept_counts) > 0:
             self._finished.append(r.first_acceptance)
+        self._served.append(r.draft_version if r.speculate else -1)
 
     def on_window(self, w: Window) -> None:
         super().on_window(w)
         rows = self.engine.stored_since(self._since_ns) if self._capture else 0
         self.transport.send(self.leader, InstanceReport(self.transport.rank, self._finished, rows,  # type: ignore[union-attr]
-                                                        self._since_ns))
-        self._finished = []
+                                                        self._since_ns, self._served))
+        self._finished, self._served = [], []
 
     def _poll(self) -> None:
         if time.time() - self._beat_sent >= self.cfg.runtime.heartbeat_s:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import msgpack
 
-PROTOCOL = 5  # bump when a message changes incompatibly
+PROTOCOL = 6  # bump when a message changes incompatibly
 MAX_BYTES = 1 << 16  # the largest message is a DraftReady of a few hundred bytes; a frame above this is refused
 
 
@@ -102,13 +102,15 @@ class Deploy:
 @dataclass(frozen=True)
 class InstanceReport:
     """Instance -> coordinator, once a window: the first-draft acceptance of the requests it finished
-    speculating since the last report (the collection gate merges every instance's), and the rows it
-    stored in the collection that started at `since_ns`."""
+    speculating since the last report (the collection gate merges every instance's), the draft
+    version of each request it finished (-1: served without speculation; a dedicated coordinator's
+    `workload.until` counts them), and the rows it stored in the collection that started at `since_ns`."""
 
     instance: int
     first_acceptance: list[float]
     stored_rows: int
     since_ns: int
+    served: list[int]
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,7 @@
 """The serving role: on rank 0 a TideEngine under the coordinator, then the run's results; on each
-further rank of component 0 one more instance (`tide.runtime.instance`) with its share of the
-workload, its results under instances/<rank>/."""
+further serving rank one more instance (`tide.runtime.instance`) with its share of the workload, its
+results under instances/<rank>/. A dedicated coordinator (`slurm.coordinator`) serves nothing itself:
+`run_dedicated`."""
 
 from __future__ import annotations
 
@@ -114,7 +115,7 @@ def serve(cfg: TideConfig, run: RunLayout, segments: list[Segment], transport: T
         source.observe(r)
 
     try:
-        with stop_on_signals(source):
+        with stop_on_signals(source.stop):
             results, windows = engine.replay(source, concurrency or cfg.workload.concurrency, cfg.runtime.window_s,
                                              between_steps=coord.between_steps, on_window=show, on_result=finished)
         engine.flush()
@@ -172,11 +173,11 @@ def instance_figures(s: Served) -> dict[str, Any]:
             "speculation_on_fraction": spec_on_fraction(s.windows), "stopped": s.stopped or None}
 
 
-def instances_section(run: RunLayout, s: Served) -> dict[str, Any]:
-    """The summary's per-instance figures (the coordinator's engine first, each other instance from
-    its own summary, or only its state where it died) and their totals."""
-    rows = [{"rank": 0, "state": "coordinator", **instance_figures(s)}]
-    for rank, state in sorted(s.instances.items()):
+def instances_section(run: RunLayout, own: Served | None, states: dict[int, str]) -> dict[str, Any]:
+    """The summary's per-instance figures (the coordinator's engine first, where it serves; each other
+    instance from its own summary, or only its state where it died) and their totals."""
+    rows = [{"rank": 0, "state": "coordinator", **instance_figures(own)}] if own else []
+    for rank, state in sorted(states.items()):
         path = instance_dir(run, rank) / "summary.json"
         figures = json.loads(path.read_text())["figures"] if state == "done" and path.exists() else {}
         rows.append({"rank": rank, "state": state, **figures})
@@ -189,7 +190,7 @@ ECHO_S = 5.0  # a stop signal this soon after the first is the same stop, delive
 
 
 @contextlib.contextmanager
-def stop_on_signals(source: RequestSource) -> Iterator[None]:
+def stop_on_signals(stop: Callable[[str], None]) -> Iterator[None]:
     """The first SIGTERM, SIGINT or SIGUSR2 ends the workload early: no new requests, those in flight
     finish, and the run writes its results as at a normal end. Under Slurm one stop arrives twice
     (slurmstepd signals every process of the step, and the step guard passes its own TERM on to the
@@ -211,7 +212,7 @@ def stop_on_signals(source: RequestSource) -> Iterator[None]:
             return
         first.append(time.monotonic())
         log.warning("%s: no new requests; the ones in flight finish, then the results are written", name)
-        source.stop(name)
+        stop(name)
 
     for sig in STOP_SIGNALS:
         signal.signal(sig, handler)
@@ -252,7 +253,7 @@ def summarize(cfg: TideConfig, run: RunLayout, s: Served, nospec: dict[str, floa
         "speculation_on_fraction": spec_on_fraction(windows),
         "eval_al_deployed": next((e.data.get("eval_al") for e in reversed(events) if e.kind == "trained"
                                   and e.version == (swaps[-1].version if swaps else None)), None),
-        **(instances_section(run, s) if s.instances else {}),
+        **(instances_section(run, s, s.instances) if s.instances else {}),
         "workload": s.workload, "serving": s.process, "latency_model": s.latency, "draft_lengths": s.lengths,
         "events": [asdict(e) for e in events], "config": to_dict(cfg),
     }
@@ -296,14 +297,45 @@ def run_coordinator(cfg: TideConfig, run: RunLayout, transport: Transport | None
     return summarize(cfg, run, served, nospec, tail)
 
 
-def run_instance(cfg: TideConfig, run: RunLayout, transport: Transport, leader: int, instances: int) -> None:
-    """A further serving rank's whole job: its round-robin share of the workload (served once, or
-    repeated until the coordinator says the run's `until` held), its results under instances/<rank>/,
-    then `InstanceDone`."""
-    rank = transport.rank
+def run_instance(cfg: TideConfig, run: RunLayout, transport: Transport, leader: int, share: int, shares: int) -> None:
+    """A further serving rank's whole job: its round-robin share (number `share` of `shares`) of the
+    workload (served once, or repeated until the coordinator says the run's `until` held), its results
+    under instances/<rank>/, then `InstanceDone`."""
     until = UntilConfig(max_s=cfg.workload.until.max_s) if cfg.workload.until.active else UntilConfig()
-    served = serve(cfg, run, [Segment(main_requests(cfg, run)[rank::instances], until)], transport, [], leader=leader)
+    served = serve(cfg, run, [Segment(main_requests(cfg, run)[share::shares], until)], transport, [], leader=leader)
     instance_done(run, transport, leader, served)
+
+
+def run_dedicated(cfg: TideConfig, run: RunLayout, transport: Transport, trainer_ranks: list[int],
+                  instances: list[int]) -> dict[str, Any]:
+    """Rank 0 as a het group of its own: no engine. The `instances` serve the workload round-robin;
+    this rank runs the collection gate on all their requests, drives the trainers, deploys to every
+    instance, and ends their workloads once `workload.until` holds over all of them (or at a stop
+    signal). Then summary.json (per-instance figures and totals; each instance's plot is its own)
+    and events.json."""
+    keep_previous_results(run.out)
+    run.out.mkdir(parents=True, exist_ok=True)
+    version = ensure_draft(cfg, run)
+    coord = Coordinator(cfg, None, transport, trainer_ranks, drafts_root=str(run.drafts),
+                        resume_ns=resume_point(run, version), instances=instances, version=version)
+    until = cfg.workload.until if cfg.workload.until.active and cfg.control.policy != "frozen" else None
+    stopped: list[str] = []
+    try:
+        coord.wait_for_trainer(cfg.runtime.trainer_start_timeout_s)
+        coord.start()
+        coord.serving_starts()
+        with stop_on_signals(stopped.append):
+            met = coord.coordinate(until, stopped)
+    finally:
+        coord.shutdown("workload done")
+    deployed = sorted({e.version for e in coord.events if e.kind == "deploy"})
+    summary = {"coordinator": "dedicated", "deployed": deployed, "training": training_state(coord.events),
+               "until_met": met, "stopped": stopped[0] if stopped else None,
+               **instances_section(run, None, {r: p.state for r, p in coord.peers.items()}),
+               "events": [asdict(e) for e in coord.events], "config": to_dict(cfg)}
+    write_json(run.out / "events.json", summary["events"])
+    write_json(run.out / "summary.json", summary)
+    return summary
 
 
 def instance_done(run: RunLayout, transport: Transport, leader: int, served: Served) -> None:

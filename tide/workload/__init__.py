@@ -12,7 +12,8 @@ from tide.workload.phases import (
                                   load_workload,
 )
 from tide.workload.prompts import WorkloadError, load_prompts
-from tide.workload.source import RequestSource, Segment, build_requests
+from tide.workload.source import Finished, RequestSource, Segment, build_requests, until_status
 
-__all__ = ["Arrivals", "Phase", "RequestSource", "Segment", "TextRequest", "WorkloadError", "WorkloadSpec",
-           "build_requests", "build_workload", "check_workload", "draw_requests", "load_prompts", "load_workload"]
+__all__ = ["Arrivals", "Finished", "Phase", "RequestSource", "Segment", "TextRequest", "WorkloadError",
+           "WorkloadSpec", "build_requests", "build_workload", "check_workload", "draw_requests", "load_prompts",
+           "load_workload", "until_status"]

@@ -13,10 +13,10 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from tide.config import UntilConfig, WorkloadConfig
 from tide.serve.engine import Request, RequestResult
@@ -112,20 +112,32 @@ class RequestSource:
                 log.warning("workload: segment %d: `until` not met within max_s %.0f s: moving on", i, until.max_s)
 
     def _check(self, until: UntilConfig, t0: float) -> tuple[bool, bool]:
-        """(stop repeating, conditions met). A bare max_s is the segment's length; with conditions it
-        is a deadline, and passing it stops with met = False."""
-        if not (until.trained_requests or until.event):
-            return time.monotonic() - t0 >= until.max_s, True
-        events = self.events[self._first_event:]
-        met = True
-        if until.trained_requests:
-            deployed = {e.version for e in events if e.kind == "deploy"}
-            met = sum(r.speculate and r.draft_version in deployed for r, _ in self._results) >= until.trained_requests
-        if met and until.event:
-            # a cycle's outcome counts only for a cycle started in this segment: one that trained on it
-            start = next((j for j, e in enumerate(events) if e.kind == "train"), len(events)) \
-                if until.event in CYCLE_OUTCOMES else 0
-            at = next((self._first_event + j for j, e in enumerate(events) if j >= start and e.kind == until.event),
-                      None)
-            met = at is not None and sum(n > at for _, n in self._results) >= until.event_requests
-        return met or time.monotonic() - t0 >= until.max_s, met
+        return until_status(until, self.events, self._first_event, self._results, time.monotonic() - t0)
+
+
+class Finished(NamedTuple):
+    """What `until` reads of a finished request (a RequestResult has both; an instance reports them)."""
+
+    speculate: bool
+    draft_version: int
+
+
+def until_status(until: UntilConfig, events: list[Any], first_event: int,
+                 finished: Sequence[tuple[Finished | RequestResult, int]], elapsed_s: float) -> tuple[bool, bool]:
+    """(stop repeating, conditions met) of a segment that started at `events[first_event]`, `elapsed_s`
+    ago; `finished`: its requests with len(events) when each finished. A bare max_s is the segment's
+    length; with conditions it is a deadline, and passing it stops with met = False."""
+    if not (until.trained_requests or until.event):
+        return elapsed_s >= until.max_s, True
+    events = events[first_event:]
+    met = True
+    if until.trained_requests:
+        deployed = {e.version for e in events if e.kind == "deploy"}
+        met = sum(r.speculate and r.draft_version in deployed for r, _ in finished) >= until.trained_requests
+    if met and until.event:
+        # a cycle's outcome counts only for a cycle started in this segment: one that trained on it
+        start = next((j for j, e in enumerate(events) if e.kind == "train"), len(events)) \
+            if until.event in CYCLE_OUTCOMES else 0
+        at = next((first_event + j for j, e in enumerate(events) if j >= start and e.kind == until.event), None)
+        met = at is not None and sum(n > at for _, n in finished) >= until.event_requests
+    return met or elapsed_s >= until.max_s, met
