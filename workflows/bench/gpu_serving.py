@@ -287,6 +287,8 @@ class Bench:
             path = self.out.parent / f"loop-{batch}.yaml"
             path.write_text(yaml.safe_dump(cfg))
             run_dir = self.out.parent / f"loop-{batch}"
+            if not self.cpu:
+                _settle_gpu_memory()
             p = subprocess.run([sys.executable, "-m", "tide.launch", "--config", str(path), "--out", str(run_dir)],
                                capture_output=True, text=True, timeout=900)
             s = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").exists() else {}
@@ -298,6 +300,17 @@ class Bench:
                                                s.get("events", [])][:60],
                                     "stderr_tail": p.stderr[-1500:] if p.returncode else ""}
         return out
+
+
+def _settle_gpu_memory(timeout_s: float = 120.0) -> None:
+    """Wait until the GPU's free memory holds still: vLLM's start-up profiling asserts when another
+    process (the last run's trainer or engine, exiting) gives memory back while it measures."""
+    last, still, t0 = -1, 0, time.monotonic()
+    while still < 3 and time.monotonic() - t0 < timeout_s:
+        free = torch.cuda.mem_get_info()[0]
+        still = still + 1 if abs(free - last) < 64 << 20 else 0
+        last = free
+        time.sleep(1.0)
 
 
 def _prompts(target: Target, n: int = 64) -> list[list[int]]:
