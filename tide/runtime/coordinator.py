@@ -106,7 +106,7 @@ class Coordinator:
         self.progress: TrainProgress | None = None  # of the cycle in flight
         self.trainer_seen = time.time()
         self.trainer_alive = bool(trainer_ranks)
-        self.finished: list[tuple[Finished, int]] = []  # the instances' requests, with len(events) then
+        self.finished: list[tuple[Finished, int]] = []  # without an engine: the instances' requests, len(events) then
         self._since_ns = 0  # the current regime's start: its collections count, its cycles read chunks named since
         self._resume_ns = resume_ns  # a restarted run's first collection starts here (serve_role.resume_point)
         self._counted = 0  # rows stored since then, as last counted
@@ -314,7 +314,8 @@ class Coordinator:
         if isinstance(msg, InstanceReport):
             for first in msg.first_acceptance:
                 self._acceptance(first)
-            self.finished += [(Finished(v >= 0, v), len(self.events)) for v in msg.served]
+            if self.engine is None:  # `until` is this coordinator's to decide (`coordinate`)
+                self.finished += [(Finished(v >= 0, v), len(self.events)) for v in msg.served]
             if msg.since_ns == self._since_ns:
                 peer.rows = msg.stored_rows
         elif isinstance(msg, InstanceEvent):
