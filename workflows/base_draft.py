@@ -164,7 +164,8 @@ def build(config: Path, out: Path, command: str, publish: str | None = None) -> 
     outputs = sum(int(r.is_output.sum()) for r in all_runs if r.workload == "train")
     card = {
         "target": run_dir.target.path.name, "target_hash": run_dir.target.chunk_meta().target_hash,
-        "command": command, "config": str(config), "wall_s": round(time.time() - t0, 1), "serve_s": round(serve_s, 1),
+        "command": command, "config": str(config), "device": _device(), "wall_s": round(time.time() - t0, 1),
+        "serve_s": round(serve_s, 1),
         "training": {"prompts": len(train_ids), "rows": rows, "output_tokens": outputs,
                      "mix": [dataclasses.asdict(p) for p in bd.mix], "steps": result.steps,
                      "train_tokens": result.train_tokens, "held_out_al": result.al_after,
@@ -183,6 +184,13 @@ def build(config: Path, out: Path, command: str, publish: str | None = None) -> 
     return card
 
 
+def _device() -> str:
+    """Where the build served and trained: a card's wall time means little without it."""
+    import torch
+
+    return torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+
+
 def _readme(card: dict[str, Any]) -> str:
     t = card["training"]
     lines = [f"# EAGLE-3 base draft for {card['target']}", "",
@@ -195,7 +203,8 @@ def _readme(card: dict[str, Any]) -> str:
              f"{card['excluded_prompts']} prompts that {', '.join(card['excluded_configs'])} serve were excluded",
              f"- training: {t['steps']} steps, {t['train_tokens']} tokens; held-out AL {t['held_out_al']:.2f}; "
              f"draft vocabulary {card['draft_vocab_size']} (coverage {t['vocab_coverage']:.1%})",
-             f"- wall time {card['wall_s']:.0f} s (serving {card['serve_s']:.0f} s); sha256 {card['sha256']}", "",
+             f"- wall time {card['wall_s']:.0f} s (serving {card['serve_s']:.0f} s) on {card.get('device', 'cpu')}; "
+             f"sha256 {card['sha256']}", "",
              "| domain | acceptance length (gamma 3) | first-draft acceptance | drafting steps |", "|---|---|---|---|"]
     lines += [f"| {k} | {v['acceptance_length']:.2f} | {v['first_draft_acceptance']:.2f} | {v['steps']} |"
               for k, v in card["eval"].items()]
