@@ -7,9 +7,11 @@ on): `tests` (pytest -m gpu: lossless across hot-swaps and draft lengths, specul
 equal to transformers' hidden states), `profile` (T(n), D(b, k) and break-even at batch 1..64),
 `lossless` (the target with the draft, fp32 and bf16, across a hot-swap mid-request), `capture`
 (captured rows against transformers on the same GPU), `capture-overhead` and `off-cost` (alternating
-pairs), `hot-swap` (the pause), `speedup` (drafting k against plain decoding, batch 1 and 16), and
-`loop` (tide.launch with the engine and the trainer on this GPU, batch 1 and a serving batch). With
-`--cpu` the same code runs on the CPU with the tiny target (a check before spending device time).
+pairs), `hot-swap` (the pause), `speedup` (drafting k against plain decoding, batch 1 and 16), `path`
+(a plain engine against the speculative one with speculation off, with and without capture and CUDA
+graphs, each in a process of its own) and `loop` (tide.launch with the engine and the trainer on this
+GPU, batch 1 and a serving batch). With `--cpu` the same code runs on the CPU with the tiny target (a
+check before spending device time).
 
 On the GPU every engine but the eager lossless runs uses CUDA graphs, as vLLM serves (`--eager`: none).
 Without `--target` the target is a tiny random Llama and the draft an untrained head (a seam check:
@@ -38,7 +40,10 @@ from tide.config import ServeConfig
 from tide.model.target import Target
 from workflows.bench.common import alternating_pairs, spread
 
-PARTS = ("tests", "profile", "lossless", "capture", "capture-overhead", "off-cost", "hot-swap", "speedup", "loop")
+PARTS = ("tests", "profile", "lossless", "capture", "capture-overhead", "off-cost", "hot-swap", "speedup", "path",
+         "loop")
+# the serving path, one step at a time: what each layer of TIDE's engine costs against a plain vLLM engine
+PATH_VARIANTS = ("plain", "spec-off", "spec-off-capture", "plain-eager", "spec-off-eager")
 
 
 def _serve(eng: Any, prompts: list[list[int]], b: int, tag: str, max_tokens: int) -> tuple[float, list[Any]]:
@@ -274,6 +279,26 @@ class Bench:
             self.close(eng)
         return row
 
+    def path(self) -> dict[str, Any]:
+        """Tokens/s of each PATH_VARIANTS at batch 1 and 16, each engine in a fresh process (vLLM's CUDA
+        graph state is per process), relative to the plain engine with graphs."""
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+
+        out: dict[str, Any] = self.results.setdefault("path", {})  # saved after each engine: a cut run keeps them
+        for b in (1, 16):
+            row = out.setdefault(f"batch{b}", {})
+            for v in PATH_VARIANTS:
+                if v.endswith("eager") and not self.graphs:
+                    continue
+                with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+                    row[v] = pool.submit(_path_rate, str(self.target.path), self.target.layer_ids, str(self.draft),
+                                         b, v, self.cpu, str(self.out.parent / f"path-store-{b}")).result()
+                base = row["plain"]["tokens_per_s"]["median"]
+                row["over_plain"] = {k: r["tokens_per_s"]["median"] / base for k, r in row.items() if k != "over_plain"}
+                self.save()
+        return out
+
     def loop(self) -> dict[str, Any]:
         out = {}
         for batch in (1, 16):
@@ -300,6 +325,31 @@ class Bench:
                                                s.get("events", [])][:60],
                                     "stderr_tail": p.stderr[-1500:] if p.returncode else ""}
         return out
+
+
+def _path_rate(target_dir: str, layer_ids: tuple[int, ...], draft: str, b: int, variant: str, cpu: bool,
+               store: str) -> dict[str, Any]:
+    """One PATH_VARIANTS engine in this (fresh) process: a warm-up, then 3 rounds of 4b requests x 128 tokens."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    from tide.serve.engine import TideEngine
+
+    target = Target.open(Path(target_dir), tuple(layer_ids))
+    eager = cpu or variant.endswith("eager")
+    cfg = ServeConfig(num_speculative_tokens=3, max_num_seqs=b, max_model_len=512,
+                      max_num_batched_tokens=max(512, 64 * b), enforce_eager=eager, kv_cache_space_gib=2,
+                      gpu_memory_utilization=0.4)
+    spec, capture = variant.startswith("spec"), "capture" in variant
+    eng = TideEngine(target, cfg, Path(draft) if spec else None, dtype="float32" if cpu else "bfloat16",
+                     store_root=Path(store) if capture else None, capture=capture)
+    try:
+        if spec:
+            eng.set_speculation(False)
+        prompts = _prompts(target)
+        _serve(eng, prompts[:b], b, "w", 32)
+        rates = [_serve(eng, prompts[: 4 * b], b, f"r{i}", 128)[0] for i in range(3)]
+    finally:
+        eng.close()
+    return {"tokens_per_s": spread(rates), "rounds": rates, "cuda_graphs": not eager, "capture": capture}
 
 
 def _settle_gpu_memory(timeout_s: float = 120.0) -> None:
