@@ -94,8 +94,9 @@ def rank(args: argparse.Namespace) -> int:
         return 0
     transport: MPITransport | JoinableTransport | RelayTransport = MPITransport()
     dedicated = cfg.slurm.coordinator is not None  # het groups: coordinator, serving, training
+    serve_group, train_group = (1, 2) if dedicated else (0, 1)
     if args.rejoin:  # this step's ranks train; its first joins the coordinator and relays to the others
-        bind_cores(args.cores, slurm_cpus(2 if dedicated else 1))
+        bind_cores(args.cores, slurm_cpus(train_group))
         trainer_group_env(transport.comm, 0)
         if transport.rank == 0:
             transport = RelayTransport(join(args.out), transport)
@@ -104,7 +105,7 @@ def rank(args: argparse.Namespace) -> int:
         return 0
     serving, trainers = het_layout(transport.size, dedicated)
     if transport.rank in trainers:
-        bind_cores(args.cores, slurm_cpus(2 if dedicated else 1))
+        bind_cores(args.cores, slurm_cpus(train_group))
         trainer_group_env(transport.comm, trainers.start)
         run_trainer(cfg, run_dir, transport)
         transport.close()
@@ -119,7 +120,7 @@ def rank(args: argparse.Namespace) -> int:
         run_dedicated(cfg, run_dir, transport, list(trainers), list(serving))
         transport.close()
         return 0
-    bind_serving(args.cores, slurm_cpus(1 if dedicated else 0), cfg.serve.tensor_parallel_size)
+    bind_serving(args.cores, slurm_cpus(serve_group), cfg.serve.tensor_parallel_size)
     instances = [r for r in serving if r]  # the serving ranks that follow rank 0
     leader = None if transport.rank == 0 else 0
     if http is not None:  # imports vLLM: after bind_serving's environment
