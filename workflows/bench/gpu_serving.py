@@ -78,11 +78,7 @@ class Bench:
             else "random token ids"
 
     def serve_cfg(self, batch: int, k: int = 3, eager: bool | None = None) -> ServeConfig:
-        # two engines live at once in off-cost: each takes under half the GPU's memory
-        return ServeConfig(num_speculative_tokens=k, max_num_seqs=batch, max_model_len=512,
-                           max_num_batched_tokens=max(512, 64 * batch),
-                           enforce_eager=not self.graphs if eager is None else eager,
-                           kv_cache_space_gib=2 if self.cpu else 16, gpu_memory_utilization=0.4)
+        return _serve_cfg(batch, not self.graphs if eager is None else eager, self.cpu, k)
 
     def engine(self, batch: int, draft: Path | None = None, dtype: str | None = None, store: Path | None = None,
                k: int = 3, eager: bool | None = None) -> Any:
@@ -327,6 +323,13 @@ class Bench:
         return out
 
 
+def _serve_cfg(batch: int, eager: bool, cpu: bool, k: int = 3) -> ServeConfig:
+    # two engines live at once in off-cost: each takes under half the GPU's memory
+    return ServeConfig(num_speculative_tokens=k, max_num_seqs=batch, max_model_len=512,
+                       max_num_batched_tokens=max(512, 64 * batch), enforce_eager=eager,
+                       kv_cache_space_gib=2 if cpu else 16, gpu_memory_utilization=0.4)
+
+
 def _path_rate(target_dir: str, layer_ids: tuple[int, ...], draft: str, b: int, variant: str, cpu: bool,
                store: str) -> dict[str, Any]:
     """One PATH_VARIANTS engine in this (fresh) process: a warm-up, then 3 rounds of 4b requests x 128 tokens."""
@@ -335,9 +338,7 @@ def _path_rate(target_dir: str, layer_ids: tuple[int, ...], draft: str, b: int, 
 
     target = Target.open(Path(target_dir), tuple(layer_ids))
     eager = cpu or variant.endswith("eager")
-    cfg = ServeConfig(num_speculative_tokens=3, max_num_seqs=b, max_model_len=512,
-                      max_num_batched_tokens=max(512, 64 * b), enforce_eager=eager, kv_cache_space_gib=2,
-                      gpu_memory_utilization=0.4)
+    cfg = _serve_cfg(b, eager, cpu)
     spec, capture = variant.startswith("spec"), "capture" in variant
     eng = TideEngine(target, cfg, Path(draft) if spec else None, dtype="float32" if cpu else "bfloat16",
                      store_root=Path(store) if capture else None, capture=capture)
