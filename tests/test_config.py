@@ -86,7 +86,7 @@ def test_unreadable_and_invalid_yaml(tmp_path: Path) -> None:
 
 def test_a_section_check_names_the_section(tmp_path: Path) -> None:
     p = write(tmp_path, "control:\n  policy: sometimes\n")
-    bad_policy = rf"^{p}: control: policy: 'sometimes' is not one of adaptive, always, frozen$"
+    bad_policy = rf"^{p}: control: policy: 'sometimes' is not one of adaptive, always, frozen, nospec$"
     with pytest.raises(ConfigError, match=bad_policy):
         load_config(p)
 

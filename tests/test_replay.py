@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = "configs/experiments/ci-shift.yaml"
@@ -82,19 +83,45 @@ def test_bad_experiment_is_one_clear_line(tmp_path):
     assert last.startswith(f"workflows.replay: error: {bad}: replay: modes: ['turbo']"), last
 
 
+TWO_INSTANCES = {"partition": "gpu_infer", "nodes": 2, "ntasks_per_node": 1, "gpus_per_node": 1, "cpus_per_task": 1}
+TRAINER = {"partition": "gpu_train", "nodes": 1, "ntasks_per_node": 1, "gpus_per_node": 1, "cpus_per_task": 1}
+
+
 @pytest.mark.slurm
 @pytest.mark.timeout(900)
-def test_the_replay_as_slurm_jobs(cluster: dict[str, str], tmp_path: Path) -> None:
-    """--executor slurm: a job builds the base draft (a fresh draft.init here), an array job serves the
-    modes side by side, then a job writes the report (each afterok)."""
+def test_the_replay_as_slurm_jobs_spreads_each_mode_over_the_serving_instances(cluster: dict[str, str],
+                                                                              tmp_path: Path) -> None:
+    """--executor slurm: a job builds the base draft (a fresh draft.init here), then each mode is a TIDE
+    het job with two serving instances on two nodes, each phase's requests split round-robin between
+    them: both modes serve the same requests, each instance a share of every phase, and the static
+    draft speculates on both; the command then writes the report."""
     out, config = tmp_path / "run", tmp_path / "ci-shift.yaml"
-    config.write_text((ROOT / CONFIG).read_text().replace("init: runs/base-drafts/tiny-chat",
-                                                          f"init: {tmp_path / 'tiny-chat'}"))
+    exp = yaml.safe_load((ROOT / CONFIG).read_text())
+    exp["draft"]["init"] = str(tmp_path / "tiny-chat")
+    exp["workload"]["phases"] = [{**p, "num_prompts": 12} for p in exp["workload"]["phases"]]
+    exp["workload"]["phases"][1].pop("until")  # repeated until the loop did something: one instance only
+    exp["slurm"] = {**exp["slurm"], "serve": TWO_INSTANCES, "train": TRAINER}
+    config.write_text(yaml.safe_dump(exp, sort_keys=False))
     p = subprocess.run([sys.executable, "-m", "workflows.replay", "--config", str(config), "--out", str(out),
                         "--modes", "nospec,static", "--executor", "slurm"],
                        cwd=ROOT, capture_output=True, text=True, timeout=840)
     assert p.returncode == 0, p.stderr[-4000:]
     s = json.loads((out / "summary.json").read_text())
     assert list(s["modes"]) == ["nospec", "static"] and s["modes"]["static"]["overall"]["acceptance_length"] > 1.0
-    assert re.search(r"replay: base draft: job \d+", p.stderr) and re.search(r"array job \d+", p.stderr)
-    assert (tmp_path / "tiny-chat" / "card.json").exists() and (out / "report.md").stat().st_size > 0
+    assert all((m["instances"], m["spread"]) == (2, "round-robin") for m in s["modes"].values())
+    assert re.search(r"replay: base draft: job \d+", p.stderr) and re.search(r"replay: mode static: job \d+", p.stderr)
+    assert (tmp_path / "tiny-chat" / "card.json").exists() and "Serving instances: nospec 2, static 2" in (
+        out / "report.md").read_text()
+    served = {}
+    for mode in ("nospec", "static"):
+        shares = [rows(out / mode / "requests.jsonl"), rows(out / mode / "instances" / "1" / "requests.jsonl")]
+        assert all({r["workload"] for r in share} == {"code", "translation"} for share in shares)
+        assert {r["request_id"] for r in shares[0]}.isdisjoint(r["request_id"] for r in shares[1])
+        served[mode] = {r["request_id"] for share in shares for r in share}
+    assert served["nospec"] == served["static"] and len(served["static"]) == 24
+    speculated = [r for r in rows(out / "static" / "instances" / "1" / "requests.jsonl") if r["speculate"]]
+    assert speculated and all(r["draft_version"] == 0 for r in speculated)
+
+
+def rows(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

@@ -34,10 +34,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from tide.cli import parser, run
-from tide.config import to_dict
 from tide.model.files import write_json
 
 log = logging.getLogger("workflows.soak")
@@ -222,20 +219,19 @@ def wait_ready(proc_: subprocess.Popen[bytes], url: str, endpoint: Path, timeout
 
 def soak(args: argparse.Namespace) -> int:
     from workflows.replay.client import run_endpoint
-    from workflows.replay.runner import load_experiment, mode_config
+    from workflows.replay.runner import load_experiment, write_mode_config
 
     cfg, spec, _ = load_experiment(args.config)
     from tide.store.layout import RunLayout
     from tide.workload.phases import build_workload
 
-    cfg = mode_config(cfg, "tide")
     out: Path = args.out
+    cfg = write_mode_config(cfg, "tide", out)
     server_dir = out / "server"
     layout = RunLayout.open(cfg, server_dir)
     requests = build_workload(spec, layout.target.path, cfg.serve.max_model_len - spec.max_tokens - 8)
     phases = [[r for r in requests if r.workload == p.name] for p in spec.phases]
     config = out / "config.yaml"
-    config.write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
     port = args.port or free_port()
     base = f"http://127.0.0.1:{port}"
     with open(out / "server.log", "ab") as server_log:

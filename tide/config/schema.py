@@ -314,7 +314,7 @@ class UntilConfig:
     A run that must show a deployed draft (a test, a demo) or last an hour (a soak) then does not
     depend on how fast the trainer is that day: after the requests as given, their prompts are served
     again (ids `ID~k`) until every condition given holds, or `max_s` seconds have passed since they
-    started. Only where something learns (a trainer, a policy other than frozen); empty: served once.
+    started. Only where something learns (a trainer, policy adaptive or always); empty: served once.
     """
 
     trained_requests: int = 0  # requests served with speculation on by a draft deployed in this run (phase)
@@ -356,14 +356,21 @@ class WorkloadConfig:
 class ControlConfig:
     """The policies of `tide.control` (each section documents its defaults)."""
 
-    policy: str = "adaptive"  # adaptive (all gates) | always (no gates: TIDE-default) | frozen (static draft)
+    # adaptive (all gates) | always (no gates: TIDE-default) | frozen (static draft) | nospec (plain vLLM, no
+    # draft: the baseline a replay compares with)
+    policy: str = "adaptive"
     collect: CollectConfig = field(default_factory=CollectConfig)
     rollback: RollbackConfig = field(default_factory=RollbackConfig)
     speculation: SpeculationConfig = field(default_factory=SpeculationConfig)
 
     def __post_init__(self) -> None:
-        if self.policy not in ("adaptive", "always", "frozen"):
-            raise ValueError(f"policy: '{self.policy}' is not one of adaptive, always, frozen")
+        if self.policy not in ("adaptive", "always", "frozen", "nospec"):
+            raise ValueError(f"policy: '{self.policy}' is not one of adaptive, always, frozen, nospec")
+
+    @property
+    def learns(self) -> bool:
+        """Whether what is served is captured and trained on (adaptive, always)."""
+        return self.policy in ("adaptive", "always")
 
 
 @dataclass(frozen=True)

@@ -18,13 +18,14 @@ import sys
 from pathlib import Path
 
 from tide.cli import parser, run
-from tide.config import load_config
+from tide.config import ConfigError, load_config
 from tide.runtime import server_options
 from tide.runtime.processes import bind_cores, bind_serving
 from tide.runtime.rejoin import JoinableTransport, RelayTransport, join
 from tide.runtime.trainer_role import run_trainer
 from tide.runtime.transport import MPITransport, SocketTransport
 from tide.store.layout import RunLayout
+from tide.workload import check_spread, load_workload
 
 
 def slurm_cpus(group: int) -> int:
@@ -77,6 +78,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True, type=Path)
     p.add_argument("--fd", type=int, help="(local) socket to the coordinator: run as the trainer")
     p.add_argument("--cores", default="", help="(local) CPU cores for this process, e.g. '1' or '2-3'")
+    p.add_argument("--phases", type=Path, help="serve the phases of this file's `workload:` section (an experiment "
+                   "file, docs/replay.md) instead of the config's workload, each split round-robin over the "
+                   "serving ranks")
     p.add_argument("--rejoin", action="store_true",
                    help="(Slurm) a training component started again in a running job: join its coordinator "
                         "through the run dir (the step guard starts it after the first one was lost)")
@@ -88,6 +92,7 @@ def rank(args: argparse.Namespace) -> int:
     """Open the run (a bad config or store stops every rank with one line), then be this rank."""
     cfg = load_config(args.config)
     run_dir = RunLayout.open(cfg, args.out)
+    phases = load_workload(args.phases) if args.phases else None
     if args.fd is not None:
         bind_cores(args.cores)
         run_trainer(cfg, run_dir, SocketTransport(socket.socket(fileno=args.fd), rank=1, peer=0))
@@ -104,6 +109,8 @@ def rank(args: argparse.Namespace) -> int:
         transport.close()
         return 0
     serving, trainers = het_layout(transport.size, dedicated)
+    if phases is not None:
+        check_spread(phases, len(serving), str(args.phases))
     if transport.rank in trainers:
         bind_cores(args.cores, slurm_cpus(train_group))
         trainer_group_env(transport.comm, trainers.start)
@@ -113,6 +120,8 @@ def rank(args: argparse.Namespace) -> int:
     if transport.rank == 0 and trainers:  # a training component lost later can come back
         transport = JoinableTransport(transport, list(trainers), run_dir.out)
     http = server_options.from_args(args)
+    if http is not None and phases is not None:
+        raise ConfigError("--phases: the OpenAI server serves what its clients send; give --phases or --serve")
     if dedicated and transport.rank == 0:  # no engine: the instances serve, each its own endpoint
         from tide.runtime.serve_role import run_dedicated
 
@@ -131,11 +140,12 @@ def rank(args: argparse.Namespace) -> int:
     elif leader is not None:
         from tide.runtime.serve_role import run_instance
 
-        run_instance(cfg, run_dir, transport, leader, share=serving.index(transport.rank), shares=len(serving))
+        run_instance(cfg, run_dir, transport, leader, share=serving.index(transport.rank), shares=len(serving),
+                     phases=phases)
     else:
         from tide.runtime.serve_role import run_coordinator
 
-        run_coordinator(cfg, run_dir, transport, list(trainers), instances=instances)
+        run_coordinator(cfg, run_dir, transport, list(trainers), instances=instances, phases=phases)
     transport.close()
     return 0
 

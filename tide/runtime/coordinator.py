@@ -13,8 +13,8 @@ instance keeps its own speculation gate and rollback on its own engine. A dedica
 (`slurm.coordinator`, `engine` None) does only that: it serves nothing itself.
 
 `control.policy` picks how much of that runs: `adaptive` (all gates), `always` (the paper's
-TIDE-default: speculate, collect, train and deploy without gates) or `frozen` (a static draft: speculate,
-never collect or train).
+TIDE-default: speculate, collect, train and deploy without gates), `frozen` (a static draft: speculate,
+never collect or train) or `nospec` (the engine is a plain one: serve, nothing else).
 """
 
 from __future__ import annotations
@@ -169,7 +169,7 @@ class Coordinator:
                 self.engine.set_probe(self.cfg.control.speculation.probe_every)
         if fixed is not None and self.engine is not None:
             self.engine.set_draft_lengths(fixed)
-        if self.policy == "frozen" or not self.trainer_ranks:  # nothing would learn from what is captured
+        if not self.cfg.control.learns or not self.trainer_ranks:  # nothing would learn from what is captured
             if self.engine is not None:
                 self.engine.set_capture(False)
         elif self.policy == "always":
@@ -208,7 +208,7 @@ class Coordinator:
 
     def _acceptance(self, first: float) -> None:
         """One request's first-draft acceptance, from any instance: the collection gate's evidence."""
-        if self.policy != "frozen":
+        if self.cfg.control.learns:
             d = self.collect.on_request(first)
             if d.action is not CollectAction.WAIT:
                 self._apply(d)
@@ -324,6 +324,7 @@ class Coordinator:
         elif isinstance(msg, InstanceDone):
             peer.state = "done"
             self.record("instance-done", f"instance {src} served its {msg.requests} requests", instance=src)
+            self.transport.send(src, Shutdown("results received"))  # type: ignore[union-attr]  # it may exit now
         elif not isinstance(msg, Heartbeat):
             log.warning("coordinator: unexpected %s from instance %d", type(msg).__name__, src)
 
@@ -392,7 +393,7 @@ class Coordinator:
         if not costs or not costs.get("target"):
             return
         most = self.cfg.serve.max_num_seqs * (self.gamma + 1)  # decode and verify steps; not prefills
-        if self.model is None:  # no start-up profile (policy always or frozen): learn from serving alone
+        if self.model is None:  # no start-up profile (policy always, frozen, nospec): learn from serving alone
             target = {key: s / c for key, (c, s) in costs["target"].items() if c and cost_key(key)[1] <= most}
             if not target:
                 return

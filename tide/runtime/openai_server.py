@@ -165,7 +165,7 @@ async def _serve(cfg: TideConfig, run: RunLayout, transport: Transport | None, t
     write_jsonl(out / "requests.jsonl", (r.to_json() for r in served.results))
     write_json(out / "events.json", [asdict(e) for e in coord.events])
     if leader is not None:
-        instance_done(run, transport, leader, served)  # type: ignore[arg-type]
+        instance_done(cfg, run, transport, leader, served)  # type: ignore[arg-type]
         return {"rank": transport.rank}  # type: ignore[union-attr]
     return summarize(cfg, run, served, None, max(1, len(served.results) // 5))
 

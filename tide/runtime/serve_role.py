@@ -21,12 +21,12 @@ from tide.draft import DraftRegistry, init_draft, save_draft
 from tide.model.files import write_json, write_jsonl
 from tide.runtime.coordinator import Coordinator, Event
 from tide.runtime.instance import Instance
-from tide.runtime.messages import InstanceDone
+from tide.runtime.messages import InstanceDone, Shutdown
 from tide.runtime.results import plot_run, segment
 from tide.runtime.transport import Transport
 from tide.serve.engine import EngineControl, Request, RequestResult, TideEngine, Window
 from tide.store.layout import RunLayout, keep_previous_results
-from tide.workload import RequestSource, Segment, build_requests
+from tide.workload import RequestSource, Segment, WorkloadSpec, build_requests, build_workload
 
 log = logging.getLogger(__name__)
 
@@ -91,10 +91,11 @@ def serve(cfg: TideConfig, run: RunLayout, segments: list[Segment], transport: T
     following the coordinator on rank `leader`; windows, requests and events go to the run dir (an
     instance's to instances/<rank>/)."""
     out, version = serving_start(cfg, run, transport, leader)
-    engine = TideEngine(run.target, cfg.serve, run.drafts / f"v{version}", store_root=run.store,
+    plain = cfg.control.policy == "nospec"
+    engine = TideEngine(run.target, cfg.serve, None if plain else run.drafts / f"v{version}", store_root=run.store,
                         chunk_tokens=cfg.store.chunk_tokens, retention_tokens=cfg.store.retention_tokens,
                         max_pending_chunks=cfg.store.max_pending_chunks, version=version, dtype=cfg.model.dtype)
-    learning = cfg.control.policy != "frozen" and (bool(trainer_ranks) or leader is not None)
+    learning = cfg.control.learns and (bool(trainer_ranks) or leader is not None)
     coord = coordinator(cfg, run, engine, transport, trainer_ranks, version, instances, leader,
                         on_stop=lambda why: source.stop(why))
     source = RequestSource(segments, coord.events, learning=learning)
@@ -144,10 +145,12 @@ def serving_start(cfg: TideConfig, run: RunLayout, transport: Transport | None,
                   leader: int | None) -> tuple[Path, int]:
     """Where this serving rank writes its results (rank 0: the run dir; an instance following rank
     `leader`: instances/<rank>/), the last run's moved to previous/<k>/ there, and the draft it starts
-    from (rank 0 publishes v0 on a first start, an instance waits for it)."""
+    from (rank 0 publishes v0 on a first start, an instance waits for it; none for plain engines)."""
     out = run.out if leader is None else instance_dir(run, transport.rank)  # type: ignore[union-attr]
     keep_previous_results(out)
     out.mkdir(parents=True, exist_ok=True)
+    if cfg.control.policy == "nospec":
+        return out, 0
     return out, ensure_draft(cfg, run) if leader is None else wait_for_draft(run)
 
 
@@ -278,32 +281,45 @@ def training_state(events: list[Any]) -> str:
     return "ok" if not set(bad) & set(kinds) else "degraded" if kinds[-1] in bad else "recovered"
 
 
-def main_requests(cfg: TideConfig, run: RunLayout) -> list[Request]:
-    """The main job's workload (`workload:`), the same on every serving rank (seeded)."""
-    return build_requests(cfg.workload, run.target.path, cfg.serve.max_model_len - cfg.workload.max_tokens - 8)
+def workload_share(cfg: TideConfig, run: RunLayout, share: int, shares: int,
+                   phases: WorkloadSpec | None = None) -> tuple[list[Segment], int]:
+    """Serving rank number `share` of `shares`: its round-robin share of what the run serves, and the
+    closed loop's concurrency (each instance keeps the workload's). The workload is the config's
+    (`workload:`, one segment), or the phases of an experiment (`--phases`: one segment per phase,
+    each split round-robin). Built alike on every rank (seeded)."""
+    if phases is None:
+        reqs = build_requests(cfg.workload, run.target.path, cfg.serve.max_model_len - cfg.workload.max_tokens - 8)
+        return [Segment(reqs[share::shares], cfg.workload.until)], cfg.workload.concurrency
+    reqs = build_workload(phases, run.target.path, cfg.serve.max_model_len - phases.max_tokens - 8)
+    return ([Segment([r for r in reqs if r.workload == p.name][share::shares], p.until) for p in phases.phases],
+            phases.arrivals.concurrency or 1)
 
 
 def run_coordinator(cfg: TideConfig, run: RunLayout, transport: Transport | None, trainer_ranks: list[int],
-                    tail: int = 0, instances: list[int] | None = None) -> dict[str, Any]:
-    """Rank 0's whole job: serve the configured workload (its share, round-robin, when other serving
-    `instances` take the rest; on until `workload.until` holds), measure the no-speculation baseline
-    on the last `tail` requests (a fifth by default), and write summary.json, windows/requests JSONL,
-    events and the plot."""
-    share = main_requests(cfg, run)[:: 1 + len(instances or [])]
-    served = serve(cfg, run, [Segment(share, cfg.workload.until)], transport, trainer_ranks, instances=instances)
+                    tail: int = 0, instances: list[int] | None = None,
+                    phases: WorkloadSpec | None = None) -> dict[str, Any]:
+    """Rank 0's whole job: serve the configured workload or `phases` (its share, round-robin, when other
+    serving `instances` take the rest; on until `workload.until` holds), measure the no-speculation
+    baseline on the last `tail` requests (a fifth by default), and write summary.json, windows/requests
+    JSONL, events and the plot."""
+    segments, concurrency = workload_share(cfg, run, 0, 1 + len(instances or []), phases)
+    served = serve(cfg, run, segments, transport, trainer_ranks, concurrency, instances=instances)
     tail = tail or max(1, len(served.results) // 5)
     last = [served.requests[r.request_id] for r in sorted(served.results, key=lambda r: r.finish)[-tail:]]
     nospec = nospec_rate(cfg, run, last) if cfg.workload.nospec_baseline and not served.stopped else None
     return summarize(cfg, run, served, nospec, tail)
 
 
-def run_instance(cfg: TideConfig, run: RunLayout, transport: Transport, leader: int, share: int, shares: int) -> None:
+def run_instance(cfg: TideConfig, run: RunLayout, transport: Transport, leader: int, share: int, shares: int,
+                 phases: WorkloadSpec | None = None) -> None:
     """A further serving rank's whole job: its round-robin share (number `share` of `shares`) of the
-    workload (served once, or repeated until the coordinator says the run's `until` held), its results
-    under instances/<rank>/, then `InstanceDone`."""
-    until = UntilConfig(max_s=cfg.workload.until.max_s) if cfg.workload.until.active else UntilConfig()
-    served = serve(cfg, run, [Segment(main_requests(cfg, run)[share::shares], until)], transport, [], leader=leader)
-    instance_done(run, transport, leader, served)
+    workload or `phases` (served once, or repeated until the coordinator says the run's `until` held),
+    its results under instances/<rank>/, then `InstanceDone`."""
+    segments, concurrency = workload_share(cfg, run, share, shares, phases)
+    if phases is None and cfg.workload.until.active:  # the coordinator decides when `until` held
+        segments = [Segment(segments[0].requests, UntilConfig(max_s=cfg.workload.until.max_s))]
+    served = serve(cfg, run, segments, transport, [], concurrency, leader=leader)
+    instance_done(cfg, run, transport, leader, served)
 
 
 def run_dedicated(cfg: TideConfig, run: RunLayout, transport: Transport, trainer_ranks: list[int],
@@ -318,7 +334,7 @@ def run_dedicated(cfg: TideConfig, run: RunLayout, transport: Transport, trainer
     version = ensure_draft(cfg, run)
     coord = Coordinator(cfg, None, transport, trainer_ranks, drafts_root=str(run.drafts),
                         resume_ns=resume_point(run, version), instances=instances, version=version)
-    until = cfg.workload.until if cfg.workload.until.active and cfg.control.policy != "frozen" else None
+    until = cfg.workload.until if cfg.workload.until.active and cfg.control.learns else None
     stopped: list[str] = []
     try:
         coord.wait_for_trainer(cfg.runtime.trainer_start_timeout_s)
@@ -338,11 +354,22 @@ def run_dedicated(cfg: TideConfig, run: RunLayout, transport: Transport, trainer
     return summary
 
 
-def instance_done(run: RunLayout, transport: Transport, leader: int, served: Served) -> None:
-    """An instance's summary and plot (beside its windows, requests and events), then `InstanceDone`."""
+def instance_done(cfg: TideConfig, run: RunLayout, transport: Transport, leader: int, served: Served) -> None:
+    """An instance's summary and plot (beside its windows, requests and events), then `InstanceDone`,
+    and the coordinator's word that it has the results (or as long as it gives an instance to start)."""
     rank, out = transport.rank, instance_dir(run, transport.rank)
     write_json(out / "summary.json", {"rank": rank, "figures": instance_figures(served), "workload": served.workload,
                                       "serving": served.process, "latency_model": served.latency,
                                       "draft_lengths": served.lengths, "events": [asdict(e) for e in served.events]})
     plot_run(out / "acceptance.png", served.windows, served.events, f"instance {rank}: {len(served.results)} requests")
     transport.send(leader, InstanceDone(rank, len(served.results)))
+    # exit once the coordinator has it: Open MPI sends over a connection the coordinator accepts only when
+    # it next polls (it may still be starting its engine), and what a rank that exited had sent is lost
+    timeout_s = max(cfg.runtime.instance_timeout_s, cfg.runtime.trainer_start_timeout_s)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if any(src == leader and isinstance(msg, Shutdown) for src, msg in transport.poll()):
+            return
+        time.sleep(0.05)
+    log.warning("instance %d: no word from the coordinator (rank %d) for %.0f s after InstanceDone", rank, leader,
+                timeout_s)

@@ -7,6 +7,7 @@ from tide.workload.phases import (
                                   TextRequest,
                                   WorkloadSpec,
                                   build_workload,
+                                  check_spread,
                                   check_workload,
                                   draw_requests,
                                   load_workload,
@@ -15,5 +16,5 @@ from tide.workload.prompts import WorkloadError, load_prompts
 from tide.workload.source import Finished, RequestSource, Segment, build_requests, until_status
 
 __all__ = ["Arrivals", "Finished", "Phase", "RequestSource", "Segment", "TextRequest", "WorkloadError",
-           "WorkloadSpec", "build_requests", "build_workload", "check_workload", "draw_requests", "load_prompts",
-           "load_workload", "until_status"]
+           "WorkloadSpec", "build_requests", "build_workload", "check_spread", "check_workload", "draw_requests",
+           "load_prompts", "load_workload", "until_status"]

@@ -151,6 +151,15 @@ def check_workload(spec: WorkloadSpec, source: str) -> None:
         raise WorkloadError(f"{source}: {e}") from None
 
 
+def check_spread(spec: WorkloadSpec, instances: int, source: str) -> None:
+    """A phase with `until` is served on until the coordinator's loop has done something, which an
+    instance serving only its share cannot see: such a workload needs one serving instance."""
+    for i, p in enumerate(spec.phases):
+        if instances > 1 and p.until.active:
+            raise ConfigError(f"{source}: workload.phases[{i}].until: a phase served on until the loop has done "
+                              f"something needs one serving instance; this run has {instances}")
+
+
 def load_workload(path: str | Path) -> WorkloadSpec:
     """The checked `workload:` section of an experiment file (its other sections are the runner's)."""
     try:

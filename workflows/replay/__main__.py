@@ -6,9 +6,10 @@ runtime ...). Each mode serves the same requests with the same arrivals on the s
 after the other; DIR gets summary.json, windows.jsonl, report.md, acceptance.png, throughput.png
 and a directory per mode (its config, windows, requests, events, store and drafts).
 
-With `--executor slurm` the same run is a chain of Slurm jobs through submitit: the base draft
-(where `replay.base_draft` must build it), an array job with one task per mode (side by side), and
-the report, each after the one before.
+With `--executor slurm` the same run is Slurm jobs through submitit: the base draft (where
+`replay.base_draft` must build it), then one TIDE het job per mode, side by side, sized by the
+experiment's `slurm:` section as the main job is (each serving rank one vLLM instance with its
+round-robin share of every phase; docs/replay.md). The command waits for them and writes the report.
 
 With `--endpoint NAME=URL` the same requests go to a running OpenAI-compatible server instead (TIDE's
 `python -m tide.launch --serve`, a stock `vllm serve`, any other), recorded as mode NAME; the report
@@ -37,11 +38,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True, type=Path, help="results directory")
     p.add_argument("--modes", default="", help=f"comma-separated subset of the file's modes ({','.join(MODES)})")
     p.add_argument("--executor", choices=("local", "slurm"), default="local",
-                   help="local: every mode here, one after the other; slurm: the base draft (if it must be built), "
-                        "an array job of the modes and the report as dependent jobs through submitit (sized by "
-                        "slurm.serve)")
+                   help="local: every mode here, one after the other; slurm: the base draft (if it must be built) "
+                        "as a job, then a TIDE het job per mode (sized by the slurm: section, the phases spread "
+                        "round-robin over the serving ranks) through submitit; then the report here")
     p.add_argument("--stage", choices=("all", "base", "mode", "report"), default="all",
-                   help="one step of the run (what each Slurm job runs); default all of them")
+                   help="one step of the local run: the base draft, the modes, or the report of modes already in "
+                        "--out; default all of them")
     p.add_argument("--endpoint", action="append", default=[], metavar="NAME=URL",
                    help="send the workload to this OpenAI-compatible server (base URL, e.g. http://127.0.0.1:8000/v1) "
                         "and record it as mode NAME (repeatable); no in-process mode runs unless --modes names it")
@@ -70,16 +72,14 @@ def main(argv: list[str] | None = None) -> int:
             runs = [runner.load_mode(args.out / m, m) for m in (*modes, *endpoints)]
             return _report(runs, spec, args.out, argv)
         served_here = tuple(m for m in modes if m in MODES)  # the rest are endpoint runs already recorded
-        if args.executor == "slurm":  # the report job writes the report
-            from workflows.replay.slurm import submit_replay
+        if args.executor == "slurm":
+            from workflows.replay.slurm import run_replay_jobs
 
-            submit_replay(cfg, args.config, args.out, served_here).result()  # waits; raises if a job failed
-            print((args.out / "report.md").read_text())
-            return 0
-        if args.stage != "report":
+            run_replay_jobs(cfg, spec, args.config, args.out, served_here)  # waits; raises if a job failed
+        elif args.stage != "report":
             runner.run_stage(args.stage, args.config, args.out, served_here)
-        if args.stage in ("base", "mode"):
-            return 0
+            if args.stage in ("base", "mode"):
+                return 0
         return _report([runner.load_mode(args.out / m, m) for m in modes], spec, args.out, argv)
 
     return run(p, body, argv)

@@ -39,7 +39,7 @@ def mode_summary(m: ModeRun, phases: list[str]) -> dict[str, Any]:
         "rollbacks": sum(e.kind == "rollback" for e in m.events),
         "training_wall_s": sum(e.data.get("wall_s", 0.0) for e in trained), "training_cycles": len(trained),
         "bytes_stored": stored, "wall_s": m.windows[-1].t_end if m.windows else 0.0, "workload": m.workload,
-        "latency": m.latency,
+        "latency": m.latency, "instances": m.instances, "spread": "round-robin" if m.instances > 1 else None,
     }
 
 
@@ -65,9 +65,12 @@ def write_report(runs: list[ModeRun], spec: WorkloadSpec, out: Path, command: st
 def _markdown(s: dict[str, Any]) -> str:
     phases, modes = s["phases"], s["modes"]
     f = lambda x, d=1: "-" if x is None or x != x else f"{x:.{d}f}"  # noqa: E731
-    lines = [f"# Replay: {' -> '.join(phases)}", "", f"`{s['command']}`", "",
-             "| mode | tokens/s | vs nospec | AL | spec on | drafts deployed | rollbacks | training s | stored MB |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = [f"# Replay: {' -> '.join(phases)}", "", f"`{s['command']}`", ""]
+    if any(m["instances"] > 1 for m in modes.values()):
+        lines += ["Serving instances: " + ", ".join(f"{name} {m['instances']}" for name, m in modes.items()) +
+                  " (each phase's requests spread round-robin over them)", ""]
+    lines += ["| mode | tokens/s | vs nospec | AL | spec on | drafts deployed | rollbacks | training s | stored MB |",
+              "|---|---|---|---|---|---|---|---|---|"]
     for name, m in modes.items():
         lines.append(f"| {name} | {f(m['overall']['tokens_per_s'])} | {f(m['speedup_vs_nospec'], 3)} | "
                      f"{f(m['overall']['acceptance_length'], 2)} | {m['speculation_on_fraction']:.0%} | "

@@ -29,7 +29,8 @@ from tide.workload.phases import WorkloadSpec, build_workload, load_workload
 
 log = logging.getLogger(__name__)
 MODES = ("nospec", "static", "tide", "tide-always", "tide-recompute")
-POLICY = {"static": "frozen", "tide": "adaptive", "tide-always": "always", "tide-recompute": "adaptive"}
+POLICY = {"nospec": "nospec", "static": "frozen", "tide": "adaptive", "tide-always": "always",
+          "tide-recompute": "adaptive"}
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,7 @@ class ModeRun:
     store: Path | None = None
     workload: list[dict[str, Any]] = field(default_factory=list)  # per phase: passes, `until` met
     latency: dict[str, Any] = field(default_factory=dict)  # a client's view (endpoint modes): TTFT, ITL
+    instances: int = 1  # serving instances, the phases spread round-robin over them (a mode's Slurm job)
 
 
 def load_experiment(path: Path) -> tuple[TideConfig, WorkloadSpec, ReplayConfig]:
@@ -114,12 +116,16 @@ def ensure_base_draft(exp: Experiment, path: Path) -> None:
                     "--publish", str(init)], check=True)
 
 
-def mode_config(cfg: TideConfig, mode: str) -> TideConfig:
-    return dataclasses.replace(
-        cfg, control=dataclasses.replace(cfg.control, policy=POLICY.get(mode, "frozen")),
+def write_mode_config(cfg: TideConfig, mode: str, out: Path) -> TideConfig:
+    """The experiment's config as `mode` runs it, also written to OUT/config.yaml."""
+    mcfg = dataclasses.replace(
+        cfg, control=dataclasses.replace(cfg.control, policy=POLICY[mode]),
         train=dataclasses.replace(cfg.train, signals="recompute" if mode == "tide-recompute" else "captured"),
         draft=dataclasses.replace(cfg.draft, init=str(Path(cfg.draft.init).resolve())),
         workload=dataclasses.replace(cfg.workload, nospec_baseline=False))
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.yaml").write_text(yaml.safe_dump(to_dict(mcfg), sort_keys=False))
+    return mcfg
 
 
 def run_mode(exp: Experiment, mode: str, out: Path) -> None:
@@ -128,10 +134,7 @@ def run_mode(exp: Experiment, mode: str, out: Path) -> None:
     from tide.runtime.processes import local_trainer
     from tide.runtime.serve_role import serve
 
-    mcfg = mode_config(exp.cfg, mode)
-    out.mkdir(parents=True, exist_ok=True)
-    config = out / "config.yaml"
-    config.write_text(yaml.safe_dump(to_dict(mcfg), sort_keys=False))
+    mcfg = write_mode_config(exp.cfg, mode, out)
     run = RunLayout.open(mcfg, out)
     concurrency = exp.spec.arrivals.concurrency or 1
     workload: list[dict[str, Any]] = []
@@ -149,21 +152,27 @@ def run_mode(exp: Experiment, mode: str, out: Path) -> None:
         if mode == "static":
             workload = serve(mcfg, run, segments, None, [], concurrency).workload
         else:
-            with local_trainer(config, out, mcfg.runtime.train_cores) as transport:
+            with local_trainer(out / "config.yaml", out, mcfg.runtime.train_cores) as transport:
                 workload = serve(mcfg, run, segments, transport, [1], concurrency).workload
     write_json(out / "mode.json", {"mode": mode, "workload": workload, "learns": mode.startswith("tide")})
 
 
 def load_mode(out: Path, mode: str) -> ModeRun:
-    """A mode's run from its files (written by `run_mode`, here or in a Slurm job)."""
+    """A mode's run from its files (written by `run_mode`, or by a mode's Slurm job, whose serving
+    instances other than rank 0 write theirs under instances/<rank>/: the requests of all of them,
+    their windows in time order)."""
     from tide.runtime.coordinator import Event
 
     def rows(name: str) -> list[dict[str, Any]]:
-        return [json.loads(line) for line in (out / name).read_text().splitlines() if line.strip()]
+        return [json.loads(line) for f in files(name) for line in f.read_text().splitlines() if line.strip()]
+
+    def files(name: str) -> list[Path]:
+        return [f for f in (out / name, *sorted((out / "instances").glob(f"*/{name}"))) if f.exists()]
 
     meta = json.loads((out / "mode.json").read_text())
     return ModeRun(mode, [RequestResult.from_json(d) for d in rows("requests.jsonl")],
-                   [Window.from_json(d) for d in rows("windows.jsonl")],
+                   sorted((Window.from_json(d) for d in rows("windows.jsonl")), key=lambda w: w.t_end),
                    [Event(**d) for d in json.loads((out / "events.json").read_text())],
                    store=out / "store" if meta["learns"] else None, workload=meta["workload"],
-                   latency=json.loads((out / "latency.json").read_text()) if (out / "latency.json").exists() else {})
+                   latency=json.loads((out / "latency.json").read_text()) if (out / "latency.json").exists() else {},
+                   instances=len(files("requests.jsonl")))

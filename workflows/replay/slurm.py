@@ -1,54 +1,64 @@
-"""The replay as Slurm jobs through submitit: the base draft (where it must be built), then one
-array task per mode, then the report, each job depending on the one before (afterok).
+"""The replay as Slurm jobs through submitit, waited on: the base draft (where it must be built) as a
+job of its own, then every mode as a TIDE het job of its own, side by side.
 
-The modes run side by side, each in a job of its own sized by the experiment's `slurm.serve`
-component (a mode serves and, where it learns, trains: one serving node's worth). Every job runs
-`python -m workflows.replay ... --stage STAGE` in the submit directory; the run directory carries
-everything between them (the base draft, each mode's files), as it does for the sequential run.
+A mode's job is the main job's (`tide.runtime`, sized by the experiment's `slurm:` section) serving
+the experiment's phases (`--phases`): each serving rank is one vLLM instance with its round-robin
+share of every phase, rank 0 coordinates, the training component trains. `nospec` is the same job
+with plain engines (`control.policy: nospec`), so every mode serves on as many instances. Each
+mode's files land in OUT/MODE as in a local run (the other instances' under OUT/MODE/instances/);
+the command then writes the report itself.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import sys
 from pathlib import Path
-from typing import Any
 
 from tide.config import TideConfig
+from tide.model.files import write_json
+from tide.workload import WorkloadSpec, check_spread
+from workflows.replay.runner import write_mode_config
 
 log = logging.getLogger(__name__)
 
 
-def submit_replay(cfg: TideConfig, config: Path, out: Path, modes: tuple[str, ...]) -> Any:
-    """Submit the chain; returns the report job (submitit), whose `result()` waits for the whole run."""
+def run_replay_jobs(cfg: TideConfig, spec: WorkloadSpec, config: Path, out: Path, modes: tuple[str, ...]) -> None:
+    """Submit the base-draft job (where `draft.init` must be built) and wait for it, then one het job per
+    mode; wait for all of them (a job that fails raises `tide.cluster.submit.SlurmError`)."""
+    from tide.cluster.script import JobSpec
+    from tide.cluster.submit import submit, wait
+
+    check_spread(spec, cfg.slurm.serve.nodes * cfg.slurm.serve.ntasks_per_node, str(config))
+    if set(modes) - {"nospec"} and not (Path(cfg.draft.init) / "model.safetensors").exists():
+        base = _base_job(cfg, config, out)
+        log.info("replay: base draft: job %s", base.job_id)
+        base.result()  # raises if it failed
+    jobs = {}
+    for mode in modes:
+        mcfg = write_mode_config(cfg, mode, out / mode)
+        job_spec = JobSpec.for_runtime(mcfg.slurm, out / mode / "config.yaml", out / mode,
+                                       extra=("--phases", str(config.absolute())))
+        jobs[mode] = submit(job_spec, "slurm")
+        log.info("replay: mode %s: job %s", mode, jobs[mode].job_id)
+    for mode, job in jobs.items():
+        wait(job, cfg.slurm.time * 60 + 120)
+        summary = json.loads((out / mode / "summary.json").read_text())
+        write_json(out / mode / "mode.json", {"mode": mode, "workload": summary.get("workload", []),
+                                              "learns": mode.startswith("tide"), "spread": summary.get("spread")})
+
+
+def _base_job(cfg: TideConfig, config: Path, out: Path):  # -> submitit.Job
+    """`python -m workflows.replay ... --stage base` as a job on one serving node."""
     import submitit
     from submitit.helpers import CommandFunction
 
     comp = cfg.slurm.serve
     ex = submitit.AutoExecutor(folder=out / "submitit", cluster="slurm")
     ex.update_parameters(slurm_partition=comp.partition, nodes=1, tasks_per_node=1, cpus_per_task=comp.cpus_per_task,
-                         timeout_min=cfg.slurm.time, slurm_job_name=f"{cfg.slurm.job_name}-replay",
+                         timeout_min=cfg.slurm.time, slurm_job_name=f"{cfg.slurm.job_name}-replay-base",
                          slurm_gpus_per_node=comp.gpus_per_node or None)
-
-    def stage(name: str, *extra: str) -> CommandFunction:
-        cmd = [sys.executable, "-m", "workflows.replay", "--config", str(config.absolute()), "--out",
-               str(out.absolute()), "--stage", name, *extra]
-        return CommandFunction(cmd, cwd=Path.cwd())
-
-    after: list[str] = []
-    if set(modes) - {"nospec"} and not (Path(cfg.draft.init) / "model.safetensors").exists():
-        base = ex.submit(stage("base"))
-        after = [base.job_id]
-        log.info("replay: base draft: job %s", base.job_id)
-    ex.update_parameters(slurm_additional_parameters=_after(after))
-    with ex.batch():
-        jobs = [ex.submit(stage("mode", "--modes", m)) for m in modes]
-    log.info("replay: modes %s: array job %s", ",".join(modes), jobs[0].job_id.split("_")[0])
-    ex.update_parameters(slurm_additional_parameters=_after([j.job_id for j in jobs]))
-    report = ex.submit(stage("report", "--modes", ",".join(modes)))
-    log.info("replay: report: job %s (logs in %s)", report.job_id, out / "submitit")
-    return report
-
-
-def _after(job_ids: list[str]) -> dict[str, str]:
-    return {"dependency": "afterok:" + ":".join(job_ids)} if job_ids else {}
+    cmd = [sys.executable, "-m", "workflows.replay", "--config", str(config.absolute()), "--out", str(out.absolute()),
+           "--stage", "base"]
+    return ex.submit(CommandFunction(cmd, cwd=Path.cwd()))
