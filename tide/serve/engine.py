@@ -189,7 +189,9 @@ class TideEngine(EngineControl):
         os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
         spec = None
         if draft_dir is not None:  # a (trivial) per-batch schedule turns off vLLM's padding of new decode
-            # requests to 1 + K placeholder drafts; the worker extension picks each step's k itself
+            # requests to 1 + K placeholder drafts; the worker extension picks each step's k itself. On CUDA
+            # vLLM then serves with PIECEWISE graphs: full graphs for every shape were 3.7x faster with
+            # speculation off on an H200 but changed greedy output once k varied per step (BENCHMARKS.md)
             spec = {"method": "eagle3", "model": str(draft_dir), "num_speculative_tokens": cfg.num_speculative_tokens,
                     "num_speculative_tokens_per_batch_size": [(1, cfg.max_num_seqs, cfg.num_speculative_tokens)]}
         t0 = time.time()

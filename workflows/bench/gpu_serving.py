@@ -9,9 +9,9 @@ equal to transformers' hidden states), `profile` (T(n), D(b, k) and break-even a
 (captured rows against transformers on the same GPU), `capture-overhead` and `off-cost` (alternating
 pairs), `hot-swap` (the pause), `speedup` (drafting k against plain decoding, batch 1 and 16), `path`
 (a plain engine against the speculative one with speculation off, with and without capture and CUDA
-graphs, each in a process of its own) and `loop` (tide.launch with the engine and the trainer on this
-GPU, batch 1 and a serving batch). With `--cpu` the same code runs on the CPU with the tiny target (a
-check before spending device time).
+graphs, and with speculation on at k = 1 and 3, each in a process of its own) and `loop` (tide.launch
+with the engine and the trainer on this GPU, batch 1 and a serving batch). With `--cpu` the same code
+runs on the CPU with the tiny target (a check before spending device time).
 
 On the GPU every engine but the eager lossless runs uses CUDA graphs, as vLLM serves (`--eager`: none).
 Without `--target` the target is a tiny random Llama and the draft an untrained head (a seam check:
@@ -42,8 +42,9 @@ from workflows.bench.common import alternating_pairs, spread
 
 PARTS = ("tests", "profile", "lossless", "capture", "capture-overhead", "off-cost", "hot-swap", "speedup", "path",
          "loop")
-# the serving path, one step at a time: what each layer of TIDE's engine costs against a plain vLLM engine
-PATH_VARIANTS = ("plain", "spec-off", "spec-off-capture", "plain-eager", "spec-off-eager")
+# the serving path, one step at a time: what each layer of TIDE's engine costs against a plain vLLM engine,
+# then speculation on at a fixed draft length (spec-kN)
+PATH_VARIANTS = ("plain", "spec-off", "spec-off-capture", "spec-k1", "spec-k3", "plain-eager", "spec-off-eager")
 
 
 def _serve(eng: Any, prompts: list[list[int]], b: int, tag: str, max_tokens: int) -> tuple[float, list[Any]]:
@@ -56,10 +57,12 @@ def _serve(eng: Any, prompts: list[list[int]], b: int, tag: str, max_tokens: int
 
 
 class Bench:
-    def __init__(self, target: Target, draft: Path, out: Path, cpu: bool, eager: bool = False) -> None:
+    def __init__(self, target: Target, draft: Path, out: Path, cpu: bool, eager: bool = False,
+                 batches: tuple[int, ...] = (1, 16), variants: tuple[str, ...] = PATH_VARIANTS) -> None:
         from tide.draft import init_draft, save_draft
 
         self.target, self.draft, self.out, self.cpu = target, draft, out, cpu
+        self.batches, self.variants = batches, variants  # of the path part
         self.graphs = not cpu and not eager  # CUDA graphs where vLLM serves with them, unless --eager
         self.dtype = "float32" if cpu else "bfloat16"
         self.results: dict[str, Any] = {"device": "cpu" if cpu else torch.cuda.get_device_name(0),
@@ -276,22 +279,24 @@ class Bench:
         return row
 
     def path(self) -> dict[str, Any]:
-        """Tokens/s of each PATH_VARIANTS at batch 1 and 16, each engine in a fresh process (vLLM's CUDA
-        graph state is per process), relative to the plain engine with graphs."""
+        """Tokens/s of each of PATH_VARIANTS (`--variants`) at each of `--batches`, each engine in a fresh
+        process (vLLM's CUDA graph state is per process), relative to the plain engine with graphs."""
         import multiprocessing
         from concurrent.futures import ProcessPoolExecutor
 
         out: dict[str, Any] = self.results.setdefault("path", {})  # saved after each engine: a cut run keeps them
-        for b in (1, 16):
+        for b in self.batches:
             row = out.setdefault(f"batch{b}", {})
-            for v in PATH_VARIANTS:
+            for v in self.variants:
                 if v.endswith("eager") and not self.graphs:
                     continue
                 with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
                     row[v] = pool.submit(_path_rate, str(self.target.path), self.target.layer_ids, str(self.draft),
                                          b, v, self.cpu, str(self.out.parent / f"path-store-{b}")).result()
-                base = row["plain"]["tokens_per_s"]["median"]
-                row["over_plain"] = {k: r["tokens_per_s"]["median"] / base for k, r in row.items() if k != "over_plain"}
+                base = row["plain"]["tokens_per_s"]["median"] if "plain" in row else None
+                if base:
+                    row["over_plain"] = {k: r["tokens_per_s"]["median"] / base for k, r in row.items()
+                                         if k != "over_plain"}
                 self.save()
         return out
 
@@ -333,6 +338,7 @@ def _serve_cfg(batch: int, eager: bool, cpu: bool, k: int = 3) -> ServeConfig:
 def _path_rate(target_dir: str, layer_ids: tuple[int, ...], draft: str, b: int, variant: str, cpu: bool,
                store: str) -> dict[str, Any]:
     """One PATH_VARIANTS engine in this (fresh) process: a warm-up, then 3 rounds of 4b requests x 128 tokens."""
+    from tide.runtime.results import segment
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from tide.serve.engine import TideEngine
 
@@ -340,17 +346,21 @@ def _path_rate(target_dir: str, layer_ids: tuple[int, ...], draft: str, b: int, 
     eager = cpu or variant.endswith("eager")
     cfg = _serve_cfg(b, eager, cpu)
     spec, capture = variant.startswith("spec"), "capture" in variant
+    k = int(variant.removeprefix("spec-k")) if variant.startswith("spec-k") else 0
     eng = TideEngine(target, cfg, Path(draft) if spec else None, dtype="float32" if cpu else "bfloat16",
                      store_root=Path(store) if capture else None, capture=capture)
     try:
         if spec:
-            eng.set_speculation(False)
+            eng.set_speculation(k > 0)
+            eng.set_draft_lengths([k] * len(eng.lengths))
         prompts = _prompts(target)
         _serve(eng, prompts[:b], b, "w", 32)
-        rates = [_serve(eng, prompts[: 4 * b], b, f"r{i}", 128)[0] for i in range(3)]
+        served = [_serve(eng, prompts[: 4 * b], b, f"r{i}", 128) for i in range(3)]
     finally:
         eng.close()
-    return {"tokens_per_s": spread(rates), "rounds": rates, "cuda_graphs": not eager, "capture": capture}
+    rates = [rate for rate, _ in served]
+    return {"tokens_per_s": spread(rates), "rounds": rates, "cuda_graphs": not eager, "capture": capture,
+            "acceptance_length": segment([r for _, res in served for r in res])["acceptance_length"]}
 
 
 def _settle_gpu_memory(timeout_s: float = 120.0) -> None:
@@ -422,6 +432,9 @@ def main(argv: list[str] | None = None) -> int:
                    "another transformers version), serve a copy of the draft tagged with this target's hash")
     p.add_argument("--eager", action="store_true", help="on the GPU, no CUDA graphs anywhere (default: graphs "
                    "for every part but the eager lossless runs)")
+    p.add_argument("--batches", default="1,16", help="the path part's batch sizes, comma-separated")
+    p.add_argument("--variants", default=",".join(PATH_VARIANTS),
+                   help="the path part's engines, comma-separated (spec-kN: speculation on, N drafts a step)")
 
     def body(args: argparse.Namespace) -> int:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -451,7 +464,12 @@ def main(argv: list[str] | None = None) -> int:
         draft_cfg = json.loads((draft / "config.json").read_text())
         target = Target.open(target_dir, tuple(draft_cfg["eagle_aux_hidden_state_layer_ids"]))
         retag = _retag(draft, target, args.same_weights_as, args.json.parent) if args.same_weights_as else None
-        bench = Bench(target, retag["dir"] if retag else draft, args.json, args.cpu, args.eager)
+        variants = tuple(v for v in args.variants.split(",") if v)
+        if set(variants) - set(PATH_VARIANTS):
+            raise ValueError(f"--variants: unknown {sorted(set(variants) - set(PATH_VARIANTS))}; choose from "
+                             f"{', '.join(PATH_VARIANTS)}")
+        bench = Bench(target, retag["dir"] if retag else draft, args.json, args.cpu, args.eager,
+                      tuple(int(b) for b in args.batches.split(",")), variants)
         bench.results["draft"] = "untrained" if untrained else str(args.draft)
         if retag:
             bench.results["draft_retagged"] = {k: v for k, v in retag.items() if k != "dir"}
