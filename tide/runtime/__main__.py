@@ -93,6 +93,8 @@ def rank(args: argparse.Namespace) -> int:
     cfg = load_config(args.config)
     run_dir = RunLayout.open(cfg, args.out)
     phases = load_workload(args.phases) if args.phases else None
+    if phases is not None and server_options.from_args(args) is not None:
+        raise ConfigError("--phases: the OpenAI server serves what its clients send; give --phases or --serve")
     if args.fd is not None:
         bind_cores(args.cores)
         run_trainer(cfg, run_dir, SocketTransport(socket.socket(fileno=args.fd), rank=1, peer=0))
@@ -120,8 +122,6 @@ def rank(args: argparse.Namespace) -> int:
     if transport.rank == 0 and trainers:  # a training component lost later can come back
         transport = JoinableTransport(transport, list(trainers), run_dir.out)
     http = server_options.from_args(args)
-    if http is not None and phases is not None:
-        raise ConfigError("--phases: the OpenAI server serves what its clients send; give --phases or --serve")
     if dedicated and transport.rank == 0:  # no engine: the instances serve, each its own endpoint
         from tide.runtime.serve_role import run_dedicated
 
