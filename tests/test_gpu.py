@@ -3,7 +3,8 @@
 CI has no GPU, so these are skipped there; `python -m workflows.bench.gpu_serving` runs them on the
 GPU before it measures (docs/BENCHMARKS.md says when and with what result). A tiny random Llama
 whose head size FlashAttention takes (64) is built on the spot; greedy outputs are compared with a
-plain engine's in bfloat16, the dtype a GPU serves in, and float32.
+plain engine's in bfloat16, the dtype a GPU serves in, and float32, with CUDA graphs as vLLM serves
+(TIDE_GPU_EAGER=1: without).
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ def test_lossless_swap_draft_lengths_off_and_capture_on_the_gpu(setup, dtype: st
 
     root, tgt, prompts = setup
     serve = ServeConfig(max_model_len=256, max_num_batched_tokens=256, max_num_seqs=4, num_speculative_tokens=3,
-                        enforce_eager=os.environ.get("TIDE_GPU_EAGER", "1") == "1")
+                        enforce_eager=os.environ.get("TIDE_GPU_EAGER", "0") == "1")
     plain = TideEngine(tgt, serve, None, dtype=dtype)
     try:
         ref = outputs(plain.replay(requests(prompts, "ref"), concurrency=4)[0])
