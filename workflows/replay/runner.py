@@ -154,6 +154,13 @@ def run_mode(exp: Experiment, mode: str, out: Path) -> None:
         else:
             with local_trainer(out / "config.yaml", out, mcfg.runtime.train_cores) as transport:
                 workload = serve(mcfg, run, segments, transport, [1], concurrency).workload
+    write_mode_record(out, mode, workload)
+
+
+def write_mode_record(out: Path, mode: str, workload: list[dict[str, Any]]) -> None:
+    """OUT/mode.json: what `load_mode` needs beside the serving files (per phase: passes, `until` met)."""
+    from tide.model.files import write_json
+
     write_json(out / "mode.json", {"mode": mode, "workload": workload, "learns": mode.startswith("tide")})
 
 

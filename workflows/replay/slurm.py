@@ -17,9 +17,8 @@ import sys
 from pathlib import Path
 
 from tide.config import TideConfig
-from tide.model.files import write_json
 from tide.workload import WorkloadSpec, check_spread
-from workflows.replay.runner import write_mode_config
+from workflows.replay.runner import write_mode_config, write_mode_record
 
 log = logging.getLogger(__name__)
 
@@ -45,8 +44,7 @@ def run_replay_jobs(cfg: TideConfig, spec: WorkloadSpec, config: Path, out: Path
     for mode, job in jobs.items():
         wait(job, cfg.slurm.time * 60 + 120)
         summary = json.loads((out / mode / "summary.json").read_text())
-        write_json(out / mode / "mode.json", {"mode": mode, "workload": summary.get("workload", []),
-                                              "learns": mode.startswith("tide"), "spread": summary.get("spread")})
+        write_mode_record(out / mode, mode, summary.get("workload", []))  # none with a dedicated coordinator
 
 
 def _base_job(cfg: TideConfig, config: Path, out: Path):  # -> submitit.Job
