@@ -333,6 +333,28 @@ class Wire:
         return send
 
 
+def test_an_instance_done_before_the_coordinator_serves_is_answered_and_leaves_on_that_answer(tmp_path: Path) -> None:
+    """An instance with a short share can be done while rank 0 still waits for its trainer: its
+    `InstanceDone` is taken there and answered (`RESULTS_RECEIVED`, what the instance waits for before
+    it exits), and answered again should it come from an instance already given up."""
+    from tide.runtime.messages import RESULTS_RECEIVED, InstanceDone
+
+    wire = Wire(3)
+    engine = FakeEngine(tmp_path / "store")
+    coord = Coordinator(config("always"), engine, wire.ends[0], trainer_ranks=[2], drafts_root=str(tmp_path),
+                        instances=[1])
+    wire.ends[1].send(0, InstanceDone(1, 3))
+    wire.ends[2].send(0, Heartbeat("trainer", 2, time.time()))
+    coord.wait_for_trainer(5.0)
+    assert coord.trainer_alive and coord.peers[1].state == "done"
+    assert wire.ends[1].inbox == [(0, Shutdown(RESULTS_RECEIVED))]
+    coord.peers[1].state = "down"
+    wire.ends[1].send(0, InstanceDone(1, 3))
+    coord._poll()
+    assert wire.ends[1].inbox[-1] == (0, Shutdown(RESULTS_RECEIVED)) and coord.peers[1].state == "down"
+    engine.writer.close()
+
+
 def test_a_second_instance_captures_for_the_collection_deploys_its_draft_and_can_die_alone(tmp_path: Path) -> None:
     """The coordinator (rank 0) and one more serving instance (rank 1) on one store, a trainer on rank 2:
     the instance captures when told, its rows count towards the cycle (and are what the trainer reads

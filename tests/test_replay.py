@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from cluster.jobs import TWO_INSTANCES
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = "configs/experiments/ci-shift.yaml"
@@ -83,7 +84,6 @@ def test_bad_experiment_is_one_clear_line(tmp_path):
     assert last.startswith(f"workflows.replay: error: {bad}: replay: modes: ['turbo']"), last
 
 
-TWO_INSTANCES = {"partition": "gpu_infer", "nodes": 2, "ntasks_per_node": 1, "gpus_per_node": 1, "cpus_per_task": 1}
 TRAINER = {"partition": "gpu_train", "nodes": 1, "ntasks_per_node": 1, "gpus_per_node": 1, "cpus_per_task": 1}
 
 

@@ -297,3 +297,42 @@ def test_a_phase_repeats_until_a_cycle_started_in_it_has_trained() -> None:
         assert len(served) < 20
     assert served[:6] == ["t0", "t1", "t0~1", "t1~1", "t0~2", "t1~2"] and len(served) == 6
     assert src.outcomes[0]["until_met"]
+
+
+def test_a_phase_that_waits_for_the_loop_is_refused_on_more_than_one_instance() -> None:
+    """`until` needs the coordinator's own instance to serve the phase: one line names the phase."""
+    from tide.workload import check_spread
+
+    spec = load_workload(ROOT / "configs" / "experiments" / "ci-shift.yaml")  # translation has `until`
+    check_spread(spec, 1, "exp.yaml")
+    with pytest.raises(ConfigError, match=r"^exp.yaml: workload.phases\[1\].until: .* this run has 2$"):
+        check_spread(spec, 2, "exp.yaml")
+    with pytest.raises(ConfigError, match=r"this run has 1 and a coordinator of its own$"):
+        check_spread(spec, 1, "exp.yaml", dedicated=True)
+
+
+def test_a_mode_served_by_two_instances_is_read_on_one_clock(tmp_path: Path) -> None:
+    """A mode's Slurm job: rank 0's files and instance 1's (instances/1/), each counting from its own
+    start (`started_unix`), are read together, the instance's times moved by the difference."""
+    from workflows.replay.runner import load_mode, write_mode_record
+
+    def request(rid: str, arrival: float) -> dict:
+        return {"request_id": rid, "workload": "code", "prompt_tokens": 3, "output_ids": [1, 2], "arrival": arrival,
+                "finish": arrival + 1.0, "accept_counts": [1, 1], "draft_version": 0, "speculate": True}
+
+    def window(t: float) -> dict:
+        return {"t_start": t, "t_end": t + 1.0, "tokens": 2, "steps": 2, "mean_batch": 1.0, "accept_counts": [1, 1],
+                "draft_version": 0, "speculate": True}
+
+    for d, rid, started in ((tmp_path, "a", 100.0), (tmp_path / "instances" / "1", "b", 102.5)):
+        d.mkdir(parents=True, exist_ok=True)
+        (d / "requests.jsonl").write_text(json.dumps(request(rid, 0.5)) + "\n")
+        (d / "windows.jsonl").write_text(json.dumps(window(0.0)) + "\n")
+        (d / "summary.json").write_text(json.dumps({"started_unix": started}))
+    (tmp_path / "instances" / "2").mkdir()  # an instance of an earlier run in the same dir: not this mode's
+    (tmp_path / "instances" / "2" / "requests.jsonl").write_text(json.dumps(request("old", 0.0)) + "\n")
+    (tmp_path / "events.json").write_text(json.dumps([{"t": 1.0, "kind": "swap", "reason": "", "version": 1}]))
+    write_mode_record(tmp_path, "static", [], [1])
+    m = load_mode(tmp_path, "static")
+    assert m.instances == 2 and [(r.request_id, r.arrival) for r in m.results] == [("a", 0.5), ("b", 3.0)]
+    assert [w.t_end for w in m.windows] == [1.0, 3.5] and m.events[0].t == 1.0

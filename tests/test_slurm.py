@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 import pytest
-from cluster.jobs import ci_config, run_results, submit_run
+from cluster.jobs import TWO_INSTANCES, ci_config, run_results, submit_run
 
 from tide.cluster import commands, script, submit
 from tide.cluster.script import JobSpec
@@ -416,7 +416,6 @@ def test_tide_from_the_standalone_script(cluster: dict[str, str], tmp_path: Path
     assert_trained_draft_served(out)
 
 
-TWO_INSTANCES = {"partition": "gpu_infer", "nodes": 2, "ntasks_per_node": 1, "gpus_per_node": 1, "cpus_per_task": 1}
 
 
 def plain_outputs(config: Path, out: Path, served: list[dict]) -> dict[str, list[int]]:

@@ -21,6 +21,8 @@ from tide.cluster.script import JobSpec, load_slurm_config
 
 ROOT = Path(__file__).resolve().parents[2]
 CI_CONFIG = ROOT / "configs" / "ci.yaml"
+# component 0 as two serving instances on two nodes (one fake GPU and one CPU each)
+TWO_INSTANCES = {"partition": "gpu_infer", "nodes": 2, "ntasks_per_node": 1, "gpus_per_node": 1, "cpus_per_task": 1}
 
 
 def ci_config(path: Path, **sections: dict[str, Any]) -> Path:

@@ -112,7 +112,7 @@ def rank(args: argparse.Namespace) -> int:
         return 0
     serving, trainers = het_layout(transport.size, dedicated)
     if phases is not None:
-        check_spread(phases, len(serving), str(args.phases))
+        check_spread(phases, len(serving), str(args.phases), dedicated)
     if transport.rank in trainers:
         bind_cores(args.cores, slurm_cpus(train_group))
         trainer_group_env(transport.comm, trainers.start)

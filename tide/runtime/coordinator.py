@@ -40,6 +40,7 @@ from tide.control import (
 )
 from tide.draft.acceptance import AcceptanceHistogram, PositionRates
 from tide.runtime.messages import (
+    RESULTS_RECEIVED,
     Capture,
     Deploy,
     DraftReady,
@@ -190,11 +191,16 @@ class Coordinator:
         """Serve once a trainer has said hello (or `timeout` passed): a trainer still importing and
         building its ops would otherwise take the first training request late. After this, serving
         never waits for training."""
-        if not self.trainer_ranks or self.transport is None:
+        if not self.trainer_ranks or self.transport is None or not self.cfg.control.learns:
             return
         t0 = time.time()
         while time.time() - t0 < timeout:
-            if any(src in self.trainer_ranks for src, _ in self.transport.poll()):
+            heard = False
+            for src, msg in self.transport.poll():
+                heard |= src in self.trainer_ranks
+                if src in self.peers:  # an instance with a short share may be done already
+                    self._from_peer(src, msg)
+            if heard:
                 self.trainer_seen, self.trainer_alive = time.time(), True
                 log.info("coordinator: trainer up after %.1f s", time.time() - t0)
                 return
@@ -306,6 +312,8 @@ class Coordinator:
 
     def _from_peer(self, src: int, msg: Message) -> None:
         peer = self.peers[src]
+        if isinstance(msg, InstanceDone):  # its results are written: it exits on this answer (even if given up)
+            self.transport.send(src, Shutdown(RESULTS_RECEIVED))  # type: ignore[union-attr]
         if peer.state == "down":  # it was given up: what it stored still counts, its word no longer
             return
         if not peer.heard:
@@ -324,7 +332,6 @@ class Coordinator:
         elif isinstance(msg, InstanceDone):
             peer.state = "done"
             self.record("instance-done", f"instance {src} served its {msg.requests} requests", instance=src)
-            self.transport.send(src, Shutdown("results received"))  # type: ignore[union-attr]  # it may exit now
         elif not isinstance(msg, Heartbeat):
             log.warning("coordinator: unexpected %s from instance %d", type(msg).__name__, src)
 
@@ -393,7 +400,7 @@ class Coordinator:
         if not costs or not costs.get("target"):
             return
         most = self.cfg.serve.max_num_seqs * (self.gamma + 1)  # decode and verify steps; not prefills
-        if self.model is None:  # no start-up profile (policy always, frozen, nospec): learn from serving alone
+        if self.model is None:  # no start-up profile (policy always or frozen): learn from serving alone
             target = {key: s / c for key, (c, s) in costs["target"].items() if c and cost_key(key)[1] <= most}
             if not target:
                 return

@@ -71,6 +71,9 @@ class Shutdown:
     reason: str
 
 
+RESULTS_RECEIVED = "results received"  # the coordinator's Shutdown answering an instance's InstanceDone
+
+
 @dataclass(frozen=True)
 class Join:
     """The first frame of a training component that comes back (tide.runtime.rejoin): the run's key."""

@@ -21,7 +21,7 @@ from tide.draft import DraftRegistry, init_draft, save_draft
 from tide.model.files import write_json, write_jsonl
 from tide.runtime.coordinator import Coordinator, Event
 from tide.runtime.instance import Instance
-from tide.runtime.messages import InstanceDone, Shutdown
+from tide.runtime.messages import RESULTS_RECEIVED, InstanceDone, Shutdown
 from tide.runtime.results import plot_run, segment
 from tide.runtime.transport import Transport
 from tide.serve.engine import EngineControl, Request, RequestResult, TideEngine, Window
@@ -82,6 +82,7 @@ class Served:
     lengths: list[int]  # the draft length of each batch size at the end
     stopped: str = ""  # the signal that ended the workload early, "" when it ran to its end
     instances: dict[int, str] = field(default_factory=dict)  # the other serving instances: rank -> done or down
+    started: float = 0.0  # time.time() when serving began: the clock of its requests and windows starts there
 
 
 def serve(cfg: TideConfig, run: RunLayout, segments: list[Segment], transport: Transport | None,
@@ -134,7 +135,7 @@ def serve(cfg: TideConfig, run: RunLayout, segments: list[Segment], transport: T
     write_json(out / "events.json", [asdict(e) for e in coord.events])
     latency = coord.model.to_json() if coord.model else None
     return Served(results, windows, coord.events, source.served, source.outcomes, process, latency, lengths,
-                  source.stopped, {r: p.state for r, p in coord.peers.items()})
+                  source.stopped, {r: p.state for r, p in coord.peers.items()}, t0)
 
 
 def instance_dir(run: RunLayout, rank: int) -> Path:
@@ -250,7 +251,8 @@ def summarize(cfg: TideConfig, run: RunLayout, s: Served, nospec: dict[str, floa
         "speedup_end_over_nospec": end["tokens_per_s"] / nospec["tokens_per_s"] if nospec else None,
         "swaps": len(swaps), "versions": sorted({e.version for e in swaps}),
         "requests": len(results), "output_tokens": sum(len(r.output_ids) for r in results),
-        "wall_s": windows[-1].t_end if windows else 0.0, "segment_requests": tail, "stopped": s.stopped or None,
+        "wall_s": windows[-1].t_end if windows else 0.0, "started_unix": s.started, "segment_requests": tail,
+        "stopped": s.stopped or None,
         "stored_tokens": windows[-1].stored_tokens if windows else 0,
         "training": training_state(events),
         "speculation_on_fraction": spec_on_fraction(windows),
@@ -299,7 +301,7 @@ def run_coordinator(cfg: TideConfig, run: RunLayout, transport: Transport | None
                     tail: int = 0, instances: list[int] | None = None,
                     phases: WorkloadSpec | None = None) -> dict[str, Any]:
     """Rank 0's whole job: serve the configured workload or `phases` (its share, round-robin, when other
-    serving `instances` take the rest; on until `workload.until` holds), measure the no-speculation
+    serving `instances` take the rest; on until its `until` holds), measure the no-speculation
     baseline on the last `tail` requests (a fifth by default), and write summary.json, windows/requests
     JSONL, events and the plot."""
     segments, concurrency = workload_share(cfg, run, 0, 1 + len(instances or []), phases)
@@ -331,7 +333,7 @@ def run_dedicated(cfg: TideConfig, run: RunLayout, transport: Transport, trainer
     and events.json."""
     keep_previous_results(run.out)
     run.out.mkdir(parents=True, exist_ok=True)
-    version = ensure_draft(cfg, run)
+    version = 0 if cfg.control.policy == "nospec" else ensure_draft(cfg, run)
     coord = Coordinator(cfg, None, transport, trainer_ranks, drafts_root=str(run.drafts),
                         resume_ns=resume_point(run, version), instances=instances, version=version)
     until = cfg.workload.until if cfg.workload.until.active and cfg.control.learns else None
@@ -358,7 +360,8 @@ def instance_done(cfg: TideConfig, run: RunLayout, transport: Transport, leader:
     """An instance's summary and plot (beside its windows, requests and events), then `InstanceDone`,
     and the coordinator's word that it has the results (or as long as it gives an instance to start)."""
     rank, out = transport.rank, instance_dir(run, transport.rank)
-    write_json(out / "summary.json", {"rank": rank, "figures": instance_figures(served), "workload": served.workload,
+    write_json(out / "summary.json", {"rank": rank, "figures": instance_figures(served), "started_unix": served.started,
+                                      "workload": served.workload,
                                       "serving": served.process, "latency_model": served.latency,
                                       "draft_lengths": served.lengths, "events": [asdict(e) for e in served.events]})
     plot_run(out / "acceptance.png", served.windows, served.events, f"instance {rank}: {len(served.results)} requests")
@@ -368,7 +371,7 @@ def instance_done(cfg: TideConfig, run: RunLayout, transport: Transport, leader:
     timeout_s = max(cfg.runtime.instance_timeout_s, cfg.runtime.trainer_start_timeout_s)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if any(src == leader and isinstance(msg, Shutdown) for src, msg in transport.poll()):
+        if any(src == leader and msg == Shutdown(RESULTS_RECEIVED) for src, msg in transport.poll()):
             return
         time.sleep(0.05)
     log.warning("instance %d: no word from the coordinator (rank %d) for %.0f s after InstanceDone", rank, leader,

@@ -151,13 +151,15 @@ def check_workload(spec: WorkloadSpec, source: str) -> None:
         raise WorkloadError(f"{source}: {e}") from None
 
 
-def check_spread(spec: WorkloadSpec, instances: int, source: str) -> None:
+def check_spread(spec: WorkloadSpec, instances: int, source: str, dedicated: bool = False) -> None:
     """A phase with `until` is served on until the coordinator's loop has done something, which an
-    instance serving only its share cannot see: such a workload needs one serving instance."""
+    instance following it cannot see: such a workload needs one serving instance, the coordinator's
+    own (no `slurm.coordinator`)."""
     for i, p in enumerate(spec.phases):
-        if instances > 1 and p.until.active:
+        if (instances > 1 or dedicated) and p.until.active:
             raise ConfigError(f"{source}: workload.phases[{i}].until: a phase served on until the loop has done "
-                              f"something needs one serving instance; this run has {instances}")
+                              f"something needs one serving instance, on the coordinator's rank; this run has "
+                              f"{instances}{' and a coordinator of its own' if dedicated else ''}")
 
 
 def load_workload(path: str | Path) -> WorkloadSpec:

@@ -352,6 +352,7 @@ def _path_rate(target_dir: str, layer_ids: tuple[int, ...], draft: str, b: int, 
     try:
         if spec:
             eng.set_speculation(k > 0)
+        if k:
             eng.set_draft_lengths([k] * len(eng.lengths))
         prompts = _prompts(target)
         _serve(eng, prompts[:b], b, "w", 32)

@@ -72,6 +72,8 @@ def main(argv: list[str] | None = None) -> int:
             runs = [runner.load_mode(args.out / m, m) for m in (*modes, *endpoints)]
             return _report(runs, spec, args.out, argv)
         served_here = tuple(m for m in modes if m in MODES)  # the rest are endpoint runs already recorded
+        if args.executor == "slurm" and args.stage != "all":
+            raise ConfigError("--stage: with --executor slurm the jobs run the stages; leave --stage out")
         if args.executor == "slurm":
             from workflows.replay.slurm import run_replay_jobs
 

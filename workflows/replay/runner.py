@@ -15,6 +15,7 @@ import json
 import logging
 import subprocess
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -86,7 +87,7 @@ class Experiment:
 
 def run_stage(stage: str, path: Path, out: Path, modes: tuple[str, ...]) -> None:
     """`all`: the base draft (when it has to be built), then every mode, one after the other; `base`
-    or `mode` alone is one Slurm job's share. Serving runs on `runtime.serve_cores`."""
+    (what the Slurm executor's base-draft job runs) or `mode` alone. Serving runs on `runtime.serve_cores`."""
     from tide.runtime.processes import bind_serving
 
     exp = Experiment.open(path, out)
@@ -157,29 +158,44 @@ def run_mode(exp: Experiment, mode: str, out: Path) -> None:
     write_mode_record(out, mode, workload)
 
 
-def write_mode_record(out: Path, mode: str, workload: list[dict[str, Any]]) -> None:
-    """OUT/mode.json: what `load_mode` needs beside the serving files (per phase: passes, `until` met)."""
+def write_mode_record(out: Path, mode: str, workload: list[dict[str, Any]], instances: Sequence[int] = ()) -> None:
+    """OUT/mode.json: what `load_mode` needs beside the serving files (per phase: passes, `until` met;
+    the other serving instances whose files are under instances/<rank>/)."""
     from tide.model.files import write_json
 
-    write_json(out / "mode.json", {"mode": mode, "workload": workload, "learns": mode.startswith("tide")})
+    write_json(out / "mode.json", {"mode": mode, "workload": workload, "learns": mode.startswith("tide"),
+                                   "instances": list(instances)})
 
 
 def load_mode(out: Path, mode: str) -> ModeRun:
     """A mode's run from its files (written by `run_mode`, or by a mode's Slurm job, whose serving
-    instances other than rank 0 write theirs under instances/<rank>/: the requests of all of them,
-    their windows in time order)."""
+    instances other than rank 0 write theirs under instances/<rank>/): the requests and windows of
+    all of them, on one clock (each instance counts from its own start; `started_unix` in its
+    summary puts them side by side)."""
     from tide.runtime.coordinator import Event
 
-    def rows(name: str) -> list[dict[str, Any]]:
-        return [json.loads(line) for f in files(name) for line in f.read_text().splitlines() if line.strip()]
-
-    def files(name: str) -> list[Path]:
-        return [f for f in (out / name, *sorted((out / "instances").glob(f"*/{name}"))) if f.exists()]
-
     meta = json.loads((out / "mode.json").read_text())
-    return ModeRun(mode, [RequestResult.from_json(d) for d in rows("requests.jsonl")],
-                   sorted((Window.from_json(d) for d in rows("windows.jsonl")), key=lambda w: w.t_end),
-                   [Event(**d) for d in json.loads((out / "events.json").read_text())],
+    dirs = [d for d in (out, *(out / "instances" / str(r) for r in meta.get("instances", [])))
+            if (d / "requests.jsonl").exists()]
+    starts = [json.loads((d / "summary.json").read_text()).get("started_unix", 0.0)
+              if (d / "summary.json").exists() else 0.0 for d in dirs]
+    t0 = min(starts, default=0.0)
+    results: list[RequestResult] = []
+    windows: list[Window] = []
+    for d, start in zip(dirs, starts):
+        shift = start - t0 if t0 else 0.0
+        results += [dataclasses.replace(r, arrival=r.arrival + shift, finish=r.finish + shift)
+                    for r in map(RequestResult.from_json, _rows(d / "requests.jsonl"))]
+        windows += [dataclasses.replace(w, t_start=w.t_start + shift, t_end=w.t_end + shift)
+                    for w in map(Window.from_json, _rows(d / "windows.jsonl"))]
+    events = [Event(**d) for d in json.loads((out / "events.json").read_text())]
+    if dirs and dirs[0] == out and t0:  # the coordinator's events count from its own start too
+        events = [dataclasses.replace(e, t=e.t + starts[0] - t0) for e in events]
+    return ModeRun(mode, results, sorted(windows, key=lambda w: w.t_end), events,
                    store=out / "store" if meta["learns"] else None, workload=meta["workload"],
                    latency=json.loads((out / "latency.json").read_text()) if (out / "latency.json").exists() else {},
-                   instances=len(files("requests.jsonl")))
+                   instances=len(dirs))
+
+
+def _rows(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

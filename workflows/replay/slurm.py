@@ -3,8 +3,9 @@ job of its own, then every mode as a TIDE het job of its own, side by side.
 
 A mode's job is the main job's (`tide.runtime`, sized by the experiment's `slurm:` section) serving
 the experiment's phases (`--phases`): each serving rank is one vLLM instance with its round-robin
-share of every phase, rank 0 coordinates, the training component trains. `nospec` is the same job
-with plain engines (`control.policy: nospec`), so every mode serves on as many instances. Each
+share of every phase, rank 0 coordinates, the training component trains where the mode learns (in
+`static` and `nospec` it only waits to be stopped). `nospec` is the same job with plain engines
+(`control.policy: nospec`), so every mode serves on as many instances. Each
 mode's files land in OUT/MODE as in a local run (the other instances' under OUT/MODE/instances/);
 the command then writes the report itself.
 """
@@ -26,10 +27,12 @@ log = logging.getLogger(__name__)
 def run_replay_jobs(cfg: TideConfig, spec: WorkloadSpec, config: Path, out: Path, modes: tuple[str, ...]) -> None:
     """Submit the base-draft job (where `draft.init` must be built) and wait for it, then one het job per
     mode; wait for all of them (a job that fails raises `tide.cluster.submit.SlurmError`)."""
+    from tide.cluster.commands import cancel
     from tide.cluster.script import JobSpec
     from tide.cluster.submit import submit, wait
 
-    check_spread(spec, cfg.slurm.serve.nodes * cfg.slurm.serve.ntasks_per_node, str(config))
+    check_spread(spec, cfg.slurm.serve.nodes * cfg.slurm.serve.ntasks_per_node, str(config),
+                 cfg.slurm.coordinator is not None)
     if set(modes) - {"nospec"} and not (Path(cfg.draft.init) / "model.safetensors").exists():
         base = _base_job(cfg, config, out)
         log.info("replay: base draft: job %s", base.job_id)
@@ -41,10 +44,16 @@ def run_replay_jobs(cfg: TideConfig, spec: WorkloadSpec, config: Path, out: Path
                                        extra=("--phases", str(config.absolute())))
         jobs[mode] = submit(job_spec, "slurm")
         log.info("replay: mode %s: job %s", mode, jobs[mode].job_id)
-    for mode, job in jobs.items():
-        wait(job, cfg.slurm.time * 60 + 120)
-        summary = json.loads((out / mode / "summary.json").read_text())
-        write_mode_record(out / mode, mode, summary.get("workload", []))  # none with a dedicated coordinator
+    try:
+        for mode, job in jobs.items():  # a job's own time limit bounds its run; a queue may hold it longer
+            wait(job, float("inf"))
+            summary = json.loads((out / mode / "summary.json").read_text())
+            done = [row["rank"] for row in summary.get("instances", []) if row["rank"] and row["state"] == "done"]
+            write_mode_record(out / mode, mode, summary.get("workload", []), done)  # none: a coordinator of its own
+    except BaseException:  # one mode failed (or the command was stopped): no report would read the others
+        for job in jobs.values():
+            cancel(job.job_id)
+        raise
 
 
 def _base_job(cfg: TideConfig, config: Path, out: Path):  # -> submitit.Job
