@@ -191,7 +191,8 @@ class Coordinator:
         """Serve once a trainer has said hello (or `timeout` passed): a trainer still importing and
         building its ops would otherwise take the first training request late. After this, serving
         never waits for training."""
-        if not self.trainer_ranks or self.transport is None or not self.cfg.control.learns:
+        # also where nothing learns: the trainer is told to stop at the end, which it hears once it listens
+        if not self.trainer_ranks or self.transport is None:
             return
         t0 = time.time()
         while time.time() - t0 < timeout:
