@@ -223,14 +223,14 @@ def soak(args: argparse.Namespace) -> int:
 
     cfg, spec, _ = load_experiment(args.config)
     from tide.store.layout import RunLayout
-    from tide.workload.phases import build_workload
+    from tide.workload import build_workload, phase_segments
 
     out: Path = args.out
     cfg = write_mode_config(cfg, "tide", out)
     server_dir = out / "server"
     layout = RunLayout.open(cfg, server_dir)
     requests = build_workload(spec, layout.target.path, cfg.serve.max_model_len - spec.max_tokens - 8)
-    phases = [[r for r in requests if r.workload == p.name] for p in spec.phases]
+    phases = [s.requests for s in phase_segments(spec, requests)]
     config = out / "config.yaml"
     port = args.port or free_port()
     base = f"http://127.0.0.1:{port}"

@@ -26,7 +26,7 @@ from tide.runtime.results import plot_run, segment
 from tide.runtime.transport import Transport
 from tide.serve.engine import EngineControl, Request, RequestResult, TideEngine, Window
 from tide.store.layout import RunLayout, keep_previous_results
-from tide.workload import RequestSource, Segment, WorkloadSpec, build_requests, build_workload
+from tide.workload import RequestSource, Segment, WorkloadSpec, build_requests, build_workload, phase_segments
 
 log = logging.getLogger(__name__)
 
@@ -293,8 +293,7 @@ def workload_share(cfg: TideConfig, run: RunLayout, share: int, shares: int,
         reqs = build_requests(cfg.workload, run.target.path, cfg.serve.max_model_len - cfg.workload.max_tokens - 8)
         return [Segment(reqs[share::shares], cfg.workload.until)], cfg.workload.concurrency
     reqs = build_workload(phases, run.target.path, cfg.serve.max_model_len - phases.max_tokens - 8)
-    return ([Segment([r for r in reqs if r.workload == p.name][share::shares], p.until) for p in phases.phases],
-            phases.arrivals.concurrency or 1)
+    return phase_segments(phases, reqs, share, shares), phases.arrivals.concurrency or 1
 
 
 def run_coordinator(cfg: TideConfig, run: RunLayout, transport: Transport | None, trainer_ranks: list[int],

@@ -13,8 +13,8 @@ from tide.workload.phases import (
                                   load_workload,
 )
 from tide.workload.prompts import WorkloadError, load_prompts
-from tide.workload.source import Finished, RequestSource, Segment, build_requests, until_status
+from tide.workload.source import Finished, RequestSource, Segment, build_requests, phase_segments, until_status
 
 __all__ = ["Arrivals", "Finished", "Phase", "RequestSource", "Segment", "TextRequest", "WorkloadError",
            "WorkloadSpec", "build_requests", "build_workload", "check_spread", "check_workload", "draw_requests",
-           "load_prompts", "load_workload", "until_status"]
+           "load_prompts", "load_workload", "phase_segments", "until_status"]

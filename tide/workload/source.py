@@ -48,6 +48,12 @@ class Segment:
     until: UntilConfig = UntilConfig()
 
 
+def phase_segments(spec: WorkloadSpec, requests: list[Request], share: int = 0, shares: int = 1) -> list[Segment]:
+    """One segment per phase of `spec` (with its `until`): share number `share` of `shares` of the
+    phase's requests, round-robin (all of them by default)."""
+    return [Segment([r for r in requests if r.workload == p.name][share::shares], p.until) for p in spec.phases]
+
+
 class RequestSource:
     """Yields the segments' requests in order, each segment repeated while its `until` is not met.
 

@@ -25,7 +25,7 @@ import yaml
 from tide.config import ConfigError, TideConfig, from_dict, to_dict
 from tide.serve.engine import Request, RequestResult, TideEngine, Window
 from tide.store.layout import RunLayout
-from tide.workload import Segment
+from tide.workload import phase_segments
 from tide.workload.phases import WorkloadSpec, build_workload, load_workload
 
 log = logging.getLogger(__name__)
@@ -149,7 +149,7 @@ def run_mode(exp: Experiment, mode: str, out: Path) -> None:
         write_jsonl(out / "requests.jsonl", (r.to_json() for r in results))
         write_json(out / "events.json", [])
     else:
-        segments = [Segment([r for r in exp.requests if r.workload == p.name], p.until) for p in exp.spec.phases]
+        segments = phase_segments(exp.spec, exp.requests)
         if mode == "static":
             workload = serve(mcfg, run, segments, None, [], concurrency).workload
         else:
