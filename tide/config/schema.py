@@ -372,6 +372,11 @@ class ControlConfig:
         """Whether what is served is captured and trained on (adaptive, always)."""
         return self.policy in ("adaptive", "always")
 
+    @property
+    def plain(self) -> bool:
+        """Whether the engines are plain vLLM ones, with no draft at all (nospec)."""
+        return self.policy == "nospec"
+
 
 @dataclass(frozen=True)
 class RuntimeConfig:

@@ -110,7 +110,7 @@ async def _serve(cfg: TideConfig, run: RunLayout, transport: Transport | None, t
 
     out, version = serving_start(cfg, run, transport, leader)
     port = http.port + (node_local_id() or 0)  # several instances on one node
-    draft = None if cfg.control.policy == "nospec" else run.drafts / f"v{version}"
+    draft = None if cfg.control.plain else run.drafts / f"v{version}"
     model = _profile(cfg, run, draft, version)
     args = server_args(run.target, cfg.serve, draft, cfg.model.dtype, http.host, port, http.served_model_name,
                        ["--shutdown-timeout", str(int(http.grace_s)), *http.vllm_args])

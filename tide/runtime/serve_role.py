@@ -92,8 +92,8 @@ def serve(cfg: TideConfig, run: RunLayout, segments: list[Segment], transport: T
     following the coordinator on rank `leader`; windows, requests and events go to the run dir (an
     instance's to instances/<rank>/)."""
     out, version = serving_start(cfg, run, transport, leader)
-    plain = cfg.control.policy == "nospec"
-    engine = TideEngine(run.target, cfg.serve, None if plain else run.drafts / f"v{version}", store_root=run.store,
+    draft = None if cfg.control.plain else run.drafts / f"v{version}"
+    engine = TideEngine(run.target, cfg.serve, draft, store_root=run.store,
                         chunk_tokens=cfg.store.chunk_tokens, retention_tokens=cfg.store.retention_tokens,
                         max_pending_chunks=cfg.store.max_pending_chunks, version=version, dtype=cfg.model.dtype)
     learning = cfg.control.learns and (bool(trainer_ranks) or leader is not None)
@@ -150,7 +150,7 @@ def serving_start(cfg: TideConfig, run: RunLayout, transport: Transport | None,
     out = run.out if leader is None else instance_dir(run, transport.rank)  # type: ignore[union-attr]
     keep_previous_results(out)
     out.mkdir(parents=True, exist_ok=True)
-    if cfg.control.policy == "nospec":
+    if cfg.control.plain:
         return out, 0
     return out, ensure_draft(cfg, run) if leader is None else wait_for_draft(run)
 
@@ -332,7 +332,7 @@ def run_dedicated(cfg: TideConfig, run: RunLayout, transport: Transport, trainer
     and events.json."""
     keep_previous_results(run.out)
     run.out.mkdir(parents=True, exist_ok=True)
-    version = 0 if cfg.control.policy == "nospec" else ensure_draft(cfg, run)
+    version = 0 if cfg.control.plain else ensure_draft(cfg, run)
     coord = Coordinator(cfg, None, transport, trainer_ranks, drafts_root=str(run.drafts),
                         resume_ns=resume_point(run, version), instances=instances, version=version)
     until = cfg.workload.until if cfg.workload.until.active and cfg.control.learns else None
