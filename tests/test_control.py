@@ -444,8 +444,26 @@ def test_equal_eval_is_rejected_and_min_gain_raises_the_bar() -> None:
         return gate.on_trained(2, new, live).action
     assert trained(CollectConfig(min_gain=0), 1.5, 1.5) is CollectAction.REJECT
     assert trained(CollectConfig(min_gain=0), 1.51, 1.5) is CollectAction.DEPLOY
-    assert trained(CollectConfig(), 1.51, 1.5) is CollectAction.REJECT  # min_gain 0.02
+    assert trained(CollectConfig(), 1.51, 1.5) is CollectAction.CHAIN  # min_gain 0.02: not deployed, still rising
+    assert trained(CollectConfig(), 1.503, 1.5) is CollectAction.REJECT  # min_rise 0.005: not even that
     assert trained(CollectConfig(), 1.53, 1.5) is CollectAction.DEPLOY
+
+
+def test_a_chain_trains_on_from_each_draft_that_still_rises_until_one_beats_the_live_draft() -> None:
+    """The docstring's example: a cycle that rises over its own start by min_rise but not over the
+    live draft by min_gain chains (the next cycle at once, from it, no miss counted); the rises add
+    up to a deploy; a cycle that rises over neither is the plateau."""
+    gate = CollectionGate(CollectConfig(n_init=1, n_threshold=100))
+    gate.collect_now("start")
+    assert gate.on_stored(100).action is CollectAction.TRAIN
+    chain = gate.on_trained(1, 1.41, 1.40)
+    assert chain.action is CollectAction.CHAIN and chain.version == 1 and "train on from v1" in chain.reason
+    assert gate.next_cycle().action is CollectAction.TRAIN  # at once: no new rows needed
+    assert gate.on_trained(2, 1.418, 1.40, base_al=1.41).action is CollectAction.CHAIN and gate.misses == 0
+    assert gate.next_cycle().action is CollectAction.TRAIN
+    assert gate.on_trained(3, 1.43, 1.40, base_al=1.418).action is CollectAction.DEPLOY
+    assert gate.next_cycle().action is CollectAction.TRAIN
+    assert gate.on_trained(4, 1.43, 1.43).action is CollectAction.REJECT and not gate.collecting
 
 
 def test_training_failure_retries_with_backoff_and_stale_results_are_ignored() -> None:
@@ -477,7 +495,7 @@ def test_patience_holds_the_live_draft_and_trains_again_on_more_rows() -> None:
     gate = CollectionGate(CollectConfig(n_init=1, n_threshold=100, patience=2))
     assert gate.collect_now("start").action is CollectAction.COLLECT
     assert gate.on_stored(100).action is CollectAction.TRAIN
-    hold = gate.on_trained(1, 1.41, 1.40)
+    hold = gate.on_trained(1, 1.402, 1.40)  # under min_gain over the live draft and min_rise over its start
     assert hold.action is CollectAction.HOLD and "1 of 2 in a row" in hold.reason and gate.collecting
     assert gate.on_stored(99).action is CollectAction.WAIT  # not at once: more rows first
     assert gate.on_stored(1).action is CollectAction.TRAIN

@@ -110,10 +110,14 @@ def window(engine: FakeEngine, first: float = 0.0, steps: int = 5) -> Window:
                   True, engine.writer.stats()["tokens"], rates)
 
 
-def ready(cycle: int, version: int, eval_al: float, base_al: float) -> DraftReady:
-    """A trainer's answer whose held-out walks (gamma 1) have these acceptance lengths."""
+def ready(cycle: int, version: int, eval_al: float, base_al: float, base_version: int = 0,
+          live: tuple[float, int] | None = None) -> DraftReady:
+    """A trainer's answer whose held-out walks (gamma 1) have these acceptance lengths; the live draft
+    is the base unless `live` (its AL and version) says otherwise."""
     hist = lambda al: [1000 - round((al - 1) * 1000), round((al - 1) * 1000)]  # noqa: E731
-    return DraftReady(cycle, version, f"v{version}", eval_al, base_al, 0, 300, 1.0, hist(eval_al), hist(base_al))
+    live_al, live_version = live or (base_al, base_version)
+    return DraftReady(cycle, version, f"v{version}", eval_al, base_al, base_version, live_al, live_version, 300, 1.0,
+                      hist(eval_al), hist(base_al), hist(live_al))
 
 
 def trains(t: ListTransport) -> list[Train]:
@@ -265,11 +269,36 @@ def test_a_regime_trains_on_while_cycles_gain_and_stops_at_a_plateau(tmp_path: P
     coord.between_steps(engine, 1.0)
     second = trains(transport)[1]
     assert engine.version == 1 and second.since_ns == first.since_ns and second.base_version == 1
-    transport.inbox.append((1, ready(2, 2, 1.41, 1.4)))  # +0.01 < min_gain 0.02
+    transport.inbox.append((1, ready(2, 2, 1.403, 1.4, base_version=1)))  # < min_gain 0.02 and < min_rise 0.005
     coord.between_steps(engine, 2.0)
     kinds = [e.kind for e in coord.events]
     assert kinds[-1] == "reject" and "a plateau" in coord.events[-1].reason
     assert engine.version == 1 and not engine.capture and len(trains(transport)) == 2
+    engine.writer.close()
+
+
+def test_a_chain_starts_each_cycle_from_the_newest_draft_and_deploys_against_the_live_one(tmp_path: Path) -> None:
+    """A draft under min_gain over the live one but still rising over its start is not deployed: the
+    next cycle is asked at once from it, with the live draft named as the bar; the trainer's figure
+    of the live draft (not the chain's base) is the gate's estimate; a deploy ends the chain."""
+    engine, transport = FakeEngine(tmp_path, gamma=1), ListTransport()
+    coord = Coordinator(config("adaptive"), engine, transport, trainer_ranks=[1], drafts_root=str(tmp_path))
+    coord.start()
+    engine.serve_chunks(3)
+    coord.on_window(window(engine, first=0.0))
+    (first,) = trains(transport)
+    assert (first.base_version, first.live_version) == (0, 0)
+    transport.inbox.append((1, ready(1, 1, 1.01, 1.0)))  # +0.01: under min_gain 0.02, over min_rise 0.005
+    coord.between_steps(engine, 1.0)
+    assert coord.events[-2].kind == "chain" and engine.swaps == [] and engine.capture
+    second = trains(transport)[1]
+    assert (second.base_version, second.live_version) == (1, 0) and second.since_ns == first.since_ns
+    assert coord._estimate is not None and coord._estimate.rates()[0] == pytest.approx(0.0)  # v0's own walk
+    transport.inbox.append((1, ready(2, 2, 1.03, 1.01, base_version=1, live=(1.0, 0))))  # 1.03 > 1.0 + 0.02
+    coord.between_steps(engine, 2.0)
+    assert engine.swaps == [2]
+    third = trains(transport)[2]
+    assert (third.base_version, third.live_version) == (2, 2)
     engine.writer.close()
 
 
@@ -283,7 +312,7 @@ def test_after_a_plateau_speculation_off_resumes_the_regime_with_all_its_rows(tm
     engine.serve_chunks(3)
     coord.on_window(window(engine, first=0.0))
     (first,) = trains(transport)
-    transport.inbox.append((1, ready(1, 1, 1.01, 1.0)))  # no gain: a plateau ends the regime
+    transport.inbox.append((1, ready(1, 1, 1.002, 1.0)))  # no gain: a plateau ends the regime
     coord.between_steps(engine, 1.0)
     assert coord.events[-1].kind == "reject" and not engine.capture
     coord.on_window(window(engine, first=0.0, steps=300))  # the live draft accepts nothing: off

@@ -110,8 +110,8 @@ def test_any_yaml_text_loads_or_is_one_line(tmp_path: Path, text: str) -> None:
 
 # ---- role messages ----------------------------------------------------------------------------------
 
-SAMPLES = [Train(3, 1000, 17, 2, "shift"), Heartbeat("trainer", 1, 2.5),
-           DraftReady(1, 2, "drafts/v2", 1.5, 1.2, 1, 4096, 3.0, [1, 2, 3, 4], [4, 3, 2, 1]),
+SAMPLES = [Train(3, 1000, 17, 2, 2, "shift"), Heartbeat("trainer", 1, 2.5),
+           DraftReady(1, 2, "drafts/v2", 1.5, 1.2, 1, 1.2, 1, 4096, 3.0, [1, 2, 3, 4], [4, 3, 2, 1], [4, 3, 2, 1]),
            Capture(True, 17), Deploy(2, "eval AL 1.5", [4, 3, 2, 1]), InstanceReport(1, [0.5, 0.75], 4096, 17, [2, -1])]
 
 

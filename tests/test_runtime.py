@@ -62,7 +62,7 @@ def test_progress_reaches_the_coordinator_over_the_socket(stored_run: tuple[Path
         deadline = time.monotonic() + 300
         while not any(isinstance(m, Heartbeat) for m in got) and time.monotonic() < deadline:
             got += [m for _, m in transport.poll(timeout=0.5)]
-        transport.send(1, Train(1, 0, 0, -1, "test"))
+        transport.send(1, Train(1, 0, 0, -1, -1, "test"))
         got = []
         while not (got and isinstance(got[-1], (DraftReady, TrainFailed))) and time.monotonic() < deadline:
             got += [m for _, m in transport.poll(timeout=0.5) if not isinstance(m, Heartbeat)]
@@ -82,7 +82,7 @@ t, got, deadline = MPITransport(), [], time.monotonic() + 300
 while not got and time.monotonic() < deadline:
     got = [m for _, m in t.poll() if isinstance(m, Heartbeat)]
     time.sleep(0.05)
-t.send(1, Train(1, 0, 0, -1, "test"))
+t.send(1, Train(1, 0, 0, -1, -1, "test"))
 got = []
 while not (got and isinstance(got[-1], (DraftReady, TrainFailed))) and time.monotonic() < deadline:
     got += [m for _, m in t.poll() if not isinstance(m, Heartbeat)]

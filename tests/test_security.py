@@ -62,7 +62,8 @@ def test_no_code_path_unpickles(path: Path) -> None:
 @pytest.mark.parametrize("version", ["../../etc", "/tmp/x", -1.5, None, [1]])
 def test_a_draft_message_cannot_name_a_path_outside_the_run_dir(version: object) -> None:
     fields = dict(cycle=1, version=version, path="/etc/passwd", eval_al=1.5, base_al=1.2, base_version=0,
-                  train_tokens=1, wall_s=1.0, eval_counts=[1, 1], base_counts=[1, 1])
+                  live_al=1.2, live_version=0, train_tokens=1, wall_s=1.0, eval_counts=[1, 1], base_counts=[1, 1],
+                  live_counts=[1, 1])
     with pytest.raises(BadMessage, match="DraftReady.version"):
         decode(msgpack.packb({"protocol": PROTOCOL, "type": "DraftReady", **fields}))
 

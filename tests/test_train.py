@@ -45,6 +45,11 @@ def test_training_raises_acceptance_and_resumes(tiny_target, store, tmp_path):
     r2 = again.cycle()
     assert r2.version == 2 and reg.meta(2)["base_version"] == 1
     assert abs(r2.al_before - r1.al_after) < 0.05  # it resumed from v1, not from scratch
+    assert (r2.live_version, r2.al_live, r2.counts_live) == (1, r2.al_before, r2.counts_before)  # live = base
+
+    r3 = again.cycle(base=2, live=1)  # a chain: from the newest draft, measured against the serving one
+    assert (r3.base_version, r3.live_version) == (2, 1) and reg.meta(3)["live_version"] == 1
+    assert abs(r3.al_before - r2.al_after) < 0.05 and abs(r3.al_live - r1.al_after) < 0.05
 
 
 def test_a_long_lived_trainer_keeps_no_cycle_behind(tiny_target, store, tmp_path):

@@ -38,7 +38,10 @@ class CollectConfig:
     this much to be deployed; `patience` cycles in a row that do not end the regime. A held-out set
     of a few thousand drafting steps moves by ~0.02 AL between cycles, so with patience 1 a regime
     that still learns can end on one unlucky evaluation; with 2, the cycle after a miss trains on
-    `n_threshold` more rows first.
+    `n_threshold` more rows first. `min_rise`: a cycle that does not beat the live draft by
+    `min_gain` but beats the draft it started from by this much is still learning, not a miss: the
+    next cycle starts at once from it (a chain of warm-started cycles, each a few epochs, evaluated on
+    the same held-out requests, so the rise is paired, not the ~0.02 between cycles' data).
     """
 
     lambda_short: float = 0.05
@@ -49,6 +52,7 @@ class CollectConfig:
     n_threshold: int = 32_768  # stored tokens (rows) since collection started
     min_gain: float = 0.02  # AL units (the trainer's held-out walk)
     patience: int = 1  # cycles in a row without that gain that end the regime (the first one: 1)
+    min_rise: float = 0.005  # AL units over the cycle's own start draft: still learning, train on from it
 
     def __post_init__(self) -> None:
         check(0 < self.lambda_long < self.lambda_short <= 1, "CollectConfig", "lambda_short/lambda_long",
@@ -59,6 +63,7 @@ class CollectConfig:
         check(self.n_threshold >= 1, "CollectConfig", "n_threshold", self.n_threshold, ">= 1 token")
         check(self.min_gain >= 0, "CollectConfig", "min_gain", self.min_gain, ">= 0 (AL units)")
         check(self.patience >= 1, "CollectConfig", "patience", self.patience, ">= 1 (cycles)")
+        check(self.min_rise > 0, "CollectConfig", "min_rise", self.min_rise, "> 0 (AL units)")
 
 
 @dataclass(frozen=True)

@@ -14,18 +14,21 @@ cycle in flight answers), and the EMAs re-learn their baseline from the next `n_
 Once `n_threshold` rows are stored: TRAIN. A draft whose held-out AL beats the live
 draft's on the same data by more than `min_gain` is deployed and the regime goes on: the next cycle
 starts at once (`next_cycle`), from the new draft, on every row stored so far, newer rows included.
-A cycle that does not beat the live draft by `min_gain` keeps the live draft; while fewer than
-`patience` such cycles came in a row, HOLD: the regime collects `n_threshold` more rows and trains
-again on all of them. The `patience`-th in a row (a plateau) ends the regime: REJECT, collection
-stops, and the gate re-learns its baseline from the next `n_init` requests, so the draft now
-serving is what a later shift is measured against.
+A cycle that does not beat the live draft by `min_gain` keeps the live draft. If its draft still
+beats the one it started from by `min_rise` (the same held-out requests: more epochs still raise
+held-out AL), CHAIN: the next cycle starts at once from that draft, on every row of the regime, so
+the trainer works while the draft learns and the epochs add up until one beats the live draft.
+Otherwise it is a miss; while fewer than `patience` misses came in a row, HOLD: the regime collects
+`n_threshold` more rows and trains again on all of them. The `patience`-th in a row (a plateau)
+ends the regime: REJECT, collection stops, and the gate re-learns its baseline from the next
+`n_init` requests, so the draft now serving is what a later shift is measured against.
 
 A failed cycle (the trainer died or gave up) keeps the regime collecting and retries after
 `n_threshold` more rows, twice as many after each further failure in a row (at most MAX_BACKOFF
 times as many): a trainer that fails at once on every cycle does not spin.
 
-States: IDLE -(shift)-> COLLECTING -(n_threshold stored)-> TRAINING -(better)-> COLLECTING -> TRAINING
-... -(no gain, patience left)-> COLLECTING ... -(plateau)-> IDLE. Collection stays on while
+States: IDLE -(shift)-> COLLECTING -(n_threshold stored)-> TRAINING -(better, or still rising)-> COLLECTING
+-> TRAINING ... -(no gain, patience left)-> COLLECTING ... -(plateau)-> IDLE. Collection stays on while
 TRAINING; `collecting` says whether to capture.
 """
 
@@ -51,6 +54,7 @@ class CollectAction(str, Enum):
     COLLECT = "collect"  # start capturing hidden states
     TRAIN = "train"  # train a draft on what was collected
     DEPLOY = "deploy"  # swap in the new draft; stop collecting
+    CHAIN = "chain"  # keep the live draft; the new one still learns: train on from it at once
     HOLD = "hold"  # keep the live draft; collect more rows, then train again
     REJECT = "reject"  # keep the live draft; stop collecting
 
@@ -148,10 +152,17 @@ class CollectionGate:
         self.state = CollectState.TRAINING
         return Decision(CollectAction.TRAIN, progress)
 
-    def on_trained(self, version: int, new_al: float, live_al: float) -> Decision[CollectAction]:
+    def on_trained(self, version: int, new_al: float, live_al: float,
+                   base_al: float | None = None) -> Decision[CollectAction]:
         """DEPLOY draft `version` if its eval AL beats the live draft's on the same data by more than
-        `min_gain` (the regime goes on: `next_cycle`); else HOLD while patience lasts, then REJECT: a
-        plateau, collection stops and the baseline is re-learnt. A result nobody waits for is ignored."""
+        `min_gain` (the regime goes on: `next_cycle`); else CHAIN if it beats `base_al`, the draft the
+        cycle started from (default: the live one), by more than `min_rise`; else a miss: HOLD while
+        patience lasts, then REJECT: a plateau, collection stops and the baseline is re-learnt. A
+        result nobody waits for is ignored.
+
+        Example (min_gain 0.02, min_rise 0.005, patience 1): live 1.40; v1 1.41 from 1.40: CHAIN; v2
+        1.418 from v1's 1.41: CHAIN; v3 1.43 > 1.40 + 0.02: DEPLOY; v4 1.43 from 1.43: REJECT.
+        """
         if self.state is not CollectState.TRAINING:
             return Decision(CollectAction.WAIT, f"result for v{version} ignored: {self.state.value}, not training",
                             version)
@@ -162,6 +173,11 @@ class CollectionGate:
             return Decision(CollectAction.DEPLOY, figures.format(">") + ": deploy, train on", version)
         if self.shifted:  # keep the live draft; the regime of the new workload starts now
             return self._start(figures.format("<=") + f"; {self.shifted} during the cycle")
+        base_al = live_al if base_al is None else base_al
+        if new_al > base_al + self.cfg.min_rise:
+            self.state = CollectState.COLLECTING
+            return Decision(CollectAction.CHAIN, figures.format("<=") + f", but {new_al:.3f} > {base_al:.3f} + "
+                            f"{self.cfg.min_rise:g} from its start: still learning, train on from v{version}", version)
         self.misses += 1
         if self.misses < self.cfg.patience:
             self.state, self.stored_tokens = CollectState.COLLECTING, 0
@@ -173,8 +189,8 @@ class CollectionGate:
                                                                      "collecting", version)
 
     def next_cycle(self) -> Decision[CollectAction]:
-        """After a DEPLOY: TRAIN again at once, from the new draft, on every row of the regime (more
-        epochs on them, and whatever arrived since), until a cycle no longer gains."""
+        """After a DEPLOY or a CHAIN: TRAIN again at once, from the newest draft, on every row of the
+        regime (more epochs on them, and whatever arrived since), until a cycle no longer gains."""
         if self.state is not CollectState.COLLECTING:
             return Decision(CollectAction.WAIT, f"no regime to train on: {self.state.value}")
         if self.shifted:  # the deployed draft learnt the old workload: collect the new one first

@@ -109,6 +109,7 @@ class Coordinator:
         self.trainer_alive = bool(trainer_ranks)
         self.finished: list[tuple[Finished, int]] = []  # without an engine: the instances' requests, len(events) then
         self._since_ns = 0  # the current regime's start: its collections count, its cycles read chunks named since
+        self._chain: int | None = None  # an undeployed draft that still learns: the next cycle starts from it
         self._resume_ns = resume_ns  # a restarted run's first collection starts here (serve_role.resume_point)
         self._counted = 0  # rows stored since then, as last counted
         self._t0 = time.perf_counter()
@@ -137,16 +138,23 @@ class Coordinator:
                 self._since_ns, self._counted, self._resume_ns = self._resume_ns or time.time_ns(), 0, 0
                 for peer in self.peers.values():
                     peer.rows = 0
+                self._chain = None
             self._sync_capture()
             self.record("collect", d.reason)
         elif d.action is CollectAction.TRAIN:
             self._train(d.reason)
-        elif d.action is CollectAction.DEPLOY:
-            self._deploy(d.version, d.reason)
+        elif d.action in (CollectAction.DEPLOY, CollectAction.CHAIN):
+            if d.action is CollectAction.DEPLOY:
+                self._chain = None
+                self._deploy(d.version, d.reason)
+            else:
+                self._chain = d.version
+                self.record("chain", d.reason, d.version)
             self._apply(self.collect.next_cycle())  # the regime trains on while a cycle gains
-        elif d.action is CollectAction.HOLD:
+        elif d.action is CollectAction.HOLD:  # the chain, if any, goes on from its newest draft
             self.record("hold", d.reason, d.version)
         elif d.action is CollectAction.REJECT:
+            self._chain = None
             self._sync_capture()
             self.record("reject", d.reason, d.version)
 
@@ -280,22 +288,25 @@ class Coordinator:
                 if self.in_flight and msg.cycle == self.in_flight[0]:
                     self.progress = msg
             elif isinstance(msg, DraftReady):
-                new, base = (PositionRates.from_histogram(AcceptanceHistogram(len(c) - 1, list(c)))
-                             for c in (msg.eval_counts, msg.base_counts))
-                self.record("trained", f"cycle {msg.cycle}: eval AL {msg.eval_al:.3f} (from {msg.base_al:.3f}) on "
-                            f"{msg.train_tokens} tokens in {msg.wall_s:.0f} s", msg.version, eval_al=msg.eval_al,
-                            base_al=msg.base_al, wall_s=msg.wall_s, eval_rates=new.rates(), base_rates=base.rates())
+                new, base, live = (PositionRates.from_histogram(AcceptanceHistogram(len(c) - 1, list(c)))
+                                   for c in (msg.eval_counts, msg.base_counts, msg.live_counts))
+                chained = (f", live v{msg.live_version} {msg.live_al:.3f}"
+                           if msg.live_version != msg.base_version else "")
+                self.record("trained", f"cycle {msg.cycle}: eval AL {msg.eval_al:.3f} (from v{msg.base_version} "
+                            f"{msg.base_al:.3f}{chained}) on {msg.train_tokens} tokens in {msg.wall_s:.0f} s",
+                            msg.version, eval_al=msg.eval_al, base_al=msg.base_al, live_al=msg.live_al,
+                            base_version=msg.base_version, wall_s=msg.wall_s, eval_rates=new.rates(),
+                            base_rates=base.rates())
                 self.eval_al[msg.version], self.held_out[msg.version] = msg.eval_al, new
                 self.eval_counts[msg.version] = list(msg.eval_counts)
                 if self.policy == "always":
-                    self.collect.on_trained(msg.version, msg.eval_al, msg.base_al)
+                    self.collect.on_trained(msg.version, msg.eval_al, msg.live_al)
                     self._deploy(msg.version, "policy always: deploy every trained draft")
                     self._apply(self.collect.restart("policy always: collect anew"))
                 else:
-                    d = self.collect.on_trained(msg.version, msg.eval_al, msg.base_al)
-                    kept = d.action in (CollectAction.HOLD, CollectAction.REJECT)
-                    if kept and msg.base_version == self.version:
-                        self._estimate = base  # the live draft on fresh data: the gate's evidence while off
+                    d = self.collect.on_trained(msg.version, msg.eval_al, msg.live_al, msg.base_al)
+                    if d.action is not CollectAction.DEPLOY and msg.live_version == self.version:
+                        self._estimate = live  # the live draft on fresh data: the gate's evidence while off
                     self._apply(d)
             elif isinstance(msg, TrainFailed):
                 self.record("train-failed", msg.reason)
@@ -467,10 +478,11 @@ class Coordinator:
         hide whether it learned the new one."""
         self.cycles_asked += 1
         self.in_flight, self.progress = (self.cycles_asked, time.time()), None
+        base = self.version if self._chain is None else self._chain
         for r in self.trainer_ranks:
             self.transport.send(r, Train(self.cycles_asked, self.cfg.store.retention_tokens, self._since_ns,  # type: ignore[union-attr]
-                                         self.version, reason))
-        self.record("train", reason, data_cycle=self.cycles_asked)
+                                         base, self.version, reason))
+        self.record("train", reason, data_cycle=self.cycles_asked, base_version=base)
 
     def _deploy(self, version: int, reason: str) -> None:
         previous, before = self.version, self._live_rates()

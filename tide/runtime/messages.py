@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import msgpack
 
-PROTOCOL = 6  # bump when a message changes incompatibly
+PROTOCOL = 7  # bump when a message changes incompatibly
 MAX_BYTES = 1 << 16  # the largest message is a DraftReady of a few hundred bytes; a frame above this is refused
 
 
@@ -23,7 +23,8 @@ class Train:
     cycle: int
     window_tokens: int  # at most this many of the newest stored tokens (0: no bound)
     since_ns: int  # only chunks written from this time on (time.time_ns() of the writer's host; 0: all)
-    base_version: int  # the draft to train from: the one serving (-1: the newest published)
+    base_version: int  # the draft to train from: the one serving or a chain's newest (-1: the newest published)
+    live_version: int  # the draft serving, which the new one must beat (-1 or base_version: the base)
     reason: str
 
 
@@ -47,10 +48,13 @@ class DraftReady:
     eval_al: float  # the new draft's simulated acceptance on held-out captured data
     base_al: float  # the draft it started from, on the same data
     base_version: int
+    live_al: float  # the draft serving when the cycle was asked (Train.live_version), on the same data
+    live_version: int
     train_tokens: int
     wall_s: float
     eval_counts: list[int]  # the held-out walk's histogram of accepted drafts per step (train.gamma)
     base_counts: list[int]
+    live_counts: list[int]
 
 
 @dataclass(frozen=True)

@@ -13,8 +13,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from tide.serve.engine import Window
 
 # events.json kind -> the outcome label of tide_cycles_total
-CYCLE_EVENTS = {"train": "started", "deploy": "deployed", "hold": "held", "reject": "rejected",
-                "rollback": "rolled_back", "train-failed": "failed"}
+CYCLE_EVENTS = {"train": "started", "deploy": "deployed", "chain": "chained", "hold": "held",
+                "reject": "rejected", "rollback": "rolled_back", "train-failed": "failed"}
 
 
 class TideMetrics:

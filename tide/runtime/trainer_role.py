@@ -85,7 +85,8 @@ def _cycle(trainer, msg: Train, transport: Transport, coordinator: int, leader: 
 
     try:
         r = trainer.cycle(msg.window_tokens or None, msg.since_ns, msg.base_version if msg.base_version >= 0 else None,
-                          on_progress=progress if leader else None)
+                          on_progress=progress if leader else None,
+                          live=msg.live_version if msg.live_version >= 0 else None)
     except Exception as e:  # a failed cycle degrades the loop (no new draft), it never stops serving
         log.exception("trainer: cycle %d failed", msg.cycle)
         if leader:
@@ -97,5 +98,5 @@ def _cycle(trainer, msg: Train, transport: Transport, coordinator: int, leader: 
         transport.send(coordinator, TrainFailed(msg.cycle, "not enough stored data"))
         return
     transport.send(coordinator, DraftReady(msg.cycle, r.version, str(trainer.registry.path(r.version)),
-                                           r.al_after, r.al_before, r.base_version, r.train_tokens, r.wall_s,
-                                           r.counts_after, r.counts_before))
+                                           r.al_after, r.al_before, r.base_version, r.al_live, r.live_version,
+                                           r.train_tokens, r.wall_s, r.counts_after, r.counts_before, r.counts_live))

@@ -131,6 +131,9 @@ class CycleResult:
     source_chunks: list[str]
     recompute_s: float = 0.0  # train.signals = recompute: time the target spent regenerating hidden states
     base_version: int = 0  # the draft this cycle started from (al_before is its figure)
+    live_version: int = 0  # the draft serving when the cycle was asked (al_live; = al_before when it is the base)
+    al_live: float = 0.0
+    counts_live: list[int] = field(default_factory=list)
     counts_before: list[int] = field(default_factory=list)  # the held-out walk's acceptance histograms
     counts_after: list[int] = field(default_factory=list)
     rows: int = 0  # rows of the cycle's sequences (train and held-out): each (request, position) once
@@ -182,19 +185,21 @@ class DraftTrainer:
 
     def cycle(self, window_tokens: int | None = None, since_ns: int = 0, base: int | None = None,
               on_progress: Callable[[dict[str, Any]], None] | None = None,
-              workloads: tuple[str, ...] = (), train_rows: int = 0) -> CycleResult | None:
+              workloads: tuple[str, ...] = (), train_rows: int = 0, live: int | None = None) -> CycleResult | None:
         """One training cycle from draft `base` (see `current_draft`) over the newest `window_tokens`
         stored tokens written from `since_ns` on (only runs of `workloads`, when given; of the training
         split only the first `train_rows` rows, when given: a data-efficiency curve on one held-out
-        split). None if there is no data. The cycle's memory goes back to the system before it returns."""
+        split). Published draft `live`, when it is not the base (a chain of cycles starts from the
+        newest undeployed draft), is evaluated on the same held-out data: the bar a deploy must clear.
+        None if there is no data. The cycle's memory goes back to the system before it returns."""
         try:
-            return self._cycle(window_tokens, since_ns, base, on_progress, workloads, train_rows)
+            return self._cycle(window_tokens, since_ns, base, on_progress, workloads, train_rows, live)
         finally:
             release_memory()
 
     def _cycle(self, window_tokens: int | None, since_ns: int, base: int | None,
                on_progress: Callable[[dict[str, Any]], None] | None, workloads: tuple[str, ...],
-               train_rows: int) -> CycleResult | None:
+               train_rows: int, live: int | None) -> CycleResult | None:
         import deepspeed
         from deepspeed.accelerator import get_accelerator
 
@@ -219,7 +224,13 @@ class DraftTrainer:
         device = torch.device(get_accelerator().device_name())
         eval_batches = batches(held, cfg.batch_tokens, cfg.gamma, shuffle=False)
         report("eval")
-        before = self._evaluate(draft, eval_batches, device)
+        before = live_hist = self._evaluate(draft, eval_batches, device)
+        live_version = base_version
+        if live is not None and live != base_version and (self.registry.path(live) / "model.safetensors").exists():
+            live_version, serving = live, load_draft(self.registry.path(live), self.target_dir)
+            rebuild_vocab(serving, train, head)  # as the base: the bar is the same draft the trainer would publish
+            live_hist = self._evaluate(serving, eval_batches, device)
+            del serving
 
         train_batches = batches(train, cfg.batch_tokens, cfg.ttt_depth, shuffle=True, seed=cfg.seed + base_version,
                                 prompt_loss=cfg.prompt_loss)
@@ -267,6 +278,8 @@ class DraftTrainer:
                              steps=total, wall_s=0.0, tokens_per_s=tokens * self.world / max(train_s, 1e-9),
                              final_loss=loss_v, vocab_coverage=coverage, source_chunks=[p.name for p in chunks],
                              recompute_s=self.recompute_s - recompute_s, base_version=base_version,
+                             live_version=live_version, al_live=live_hist.acceptance_length,
+                             counts_live=list(live_hist.counts),
                              rows=sum(len(q.tokens) for q in (*train, *held)))
         if self.rank == 0:
             report("publish", total, total, loss_v)

@@ -25,7 +25,7 @@ from tide.workload.phases import Phase, WorkloadSpec, build_workload
 from tide.workload.prompts import WorkloadError, load_prompts
 
 log = logging.getLogger(__name__)
-CYCLE_OUTCOMES = ("trained", "deploy", "hold", "reject")  # events.json kinds that end a training cycle
+CYCLE_OUTCOMES = ("trained", "deploy", "chain", "hold", "reject")  # events.json kinds that end a training cycle
 
 
 def build_requests(cfg: WorkloadConfig, target_dir: Path, max_prompt_tokens: int) -> list[Request]:
