@@ -41,12 +41,12 @@ def plot_run(path: Path, windows: list[Window], events: list[Any], title: str) -
     t = [(w.t_start + w.t_end) / 2 for w in windows]
     ax.plot(t, [w.acceptance_length if w.speculate else float("nan") for w in windows], "o-", ms=3,
             color="tab:blue", label="live acceptance length (tokens per drafting step)")
-    bars = []
+    bars, ks = [], []
     for w, tw in zip(windows, t):
         model = next((m for tm, m in reversed(models) if tm <= tw), models[0][1] if models else None)
         b = max(1, min(round(w.mean_batch), len(w.lengths) - 1)) if w.lengths else 1
-        k = w.lengths[b] if w.lengths else 0
-        bars.append(model.break_even(max(w.mean_batch, 1.0), max(k, 1)) if model else float("nan"))
+        ks.append(max(w.lengths[b] if w.lengths else 0, 1))
+        bars.append(model.break_even(max(w.mean_batch, 1.0), ks[-1]) if model else float("nan"))
         if not w.speculate:
             ax.axvspan(w.t_start, w.t_end, color="0.92", lw=0)
     ax.plot(t, bars, "--", color="tab:red", lw=1, label="break-even at the draft length in use")
@@ -55,10 +55,11 @@ def plot_run(path: Path, windows: list[Window], events: list[Any], title: str) -
         if e["kind"] == "deploy" and rates.get(e["version"]):
             r = PositionRates(len(rates[e["version"]]), [1000] * len(rates[e["version"]]),
                               [round(1000 * x) for x in rates[e["version"]]])
-            held = r.expected_length(1)
+            k = next((kk for kk, tw in zip(ks, t) if tw >= e["t"]), ks[-1] if ks else 1)  # the length it served at
+            held = r.expected_length(k)
             ax.plot([e["t"]], [held], "*", ms=12, color="tab:green")
-            ax.annotate(f"v{e['version']} held-out {held:.2f} (k 1)", (e["t"], held), fontsize=8,
-                        xytext=(4, 4), textcoords="offset points")
+            ax.annotate(f"v{e['version']} {held:.2f}", (e["t"], held), fontsize=8, xytext=(3, 5),
+                        textcoords="offset points")
     asked = {e["data"].get("data_cycle"): e["t"] for e in ev if e["kind"] == "train"}
     done = [e for e in ev if e["kind"] in ("trained", "train-failed")]
     y0 = ax.get_ylim()[0]
@@ -68,7 +69,8 @@ def plot_run(path: Path, windows: list[Window], events: list[Any], title: str) -
         ax.annotate(f"c{cycle}", (t0, y0 + 0.02), fontsize=7, xytext=(0, 4), textcoords="offset points")
     ax.set_ylabel("tokens per step")
     handles = ax.get_legend_handles_labels()[0] + [
-        plt.Line2D([], [], marker="*", ls="", ms=10, color="tab:green", label="deployed draft, held-out at k 1"),
+        plt.Line2D([], [], marker="*", ls="", ms=10, color="tab:green",
+                   label="deployed draft: its held-out AL at the draft length in use"),
         plt.Line2D([], [], lw=5, color="tab:orange", alpha=0.7, label="a training cycle"),
         plt.Rectangle((0, 0), 1, 1, color="0.92", label="speculation off")]
     ax.legend(handles=handles, loc="upper left", fontsize=8)
