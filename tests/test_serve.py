@@ -292,3 +292,36 @@ def test_a_tensor_parallel_instance_is_lossless_and_one_worker_stores_the_rows(d
         by_req.setdefault(r.request_id, []).extend(r.positions.tolist())
     assert set(by_req) == {r.request_id for r in before + after}
     assert all(sorted(p) == list(range(len(p))) for p in by_req.values())  # no row twice, none missing
+
+
+def test_bf16_draft_gemms_stay_lossless_and_bf16_across_hot_swaps(drafts, prompts, reference, tiny_target,
+                                                                  engine) -> None:
+    """`serve.draft_dtype: bfloat16`: the float32 engine's draft computes its GEMMs in bf16 (on a CPU
+    without bf16 units through torch's bf16 linear, slower but the same path for the test). The trained
+    draft still accepts as it did, hot-swaps keep the draft's GEMMs in bf16, and greedy output is the
+    plain engine's. "auto", the default (the `engine` fixture), is bf16 exactly where the CPU has the units."""
+    _, reg = drafts
+    units = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+    assert engine.draft_gemms == ("bfloat16" if units else "float32")
+    eng = TideEngine(tiny_target, dataclasses.replace(SERVE, draft_dtype="bfloat16"), reg.path(1), dtype="float32",
+                     version=1)
+    swaps = []
+
+    def swap_every_few_steps(eng, t):
+        n = swap_every_few_steps.steps = getattr(swap_every_few_steps, "steps", 0) + 1
+        if n % 5 == 0:
+            v = 1 - eng.version
+            eng.swap(reg.path(v), v)
+            swaps.append(eng.draft_gemms)
+
+    try:
+        assert eng.draft_gemms == "bfloat16"
+        trained, _ = eng.replay(requests(prompts, "bf16"), concurrency=1)
+        swapped, _ = eng.replay(requests(prompts[:8], "bf16swap"), concurrency=4, between_steps=swap_every_few_steps)
+    finally:
+        eng.close()
+    assert outputs(trained) == reference
+    assert outputs(swapped) == {k: reference[k] for k in outputs(swapped)}
+    live = AcceptanceHistogram(3, [sum(c) for c in zip(*(r.accept_counts for r in trained))])
+    assert live.acceptance_length > 1.2, live.to_json()
+    assert len(swaps) >= 4 and set(swaps) == {"bfloat16"}, swaps

@@ -288,6 +288,9 @@ class ServeConfig:
     gpu_memory_utilization: float = 0.9  # on a GPU; leave room where a trainer shares it
     # GPUs of one serving instance (vLLM's tensor parallelism inside it); a serving rank is one instance
     tensor_parallel_size: int = 1
+    # the draft's GEMMs: "auto" = bfloat16 where the draft would compute in float32 on a CPU with bf16 matmul
+    # units (AVX512-BF16, AMX), else as the target; a draft only proposes, so the output never changes
+    draft_dtype: Literal["auto", "bfloat16", "target"] = "auto"
     seed: int = 0
 
     def __post_init__(self) -> None:

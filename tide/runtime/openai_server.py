@@ -123,7 +123,7 @@ async def _serve(cfg: TideConfig, run: RunLayout, transport: Transport | None, t
     worker = _Loop(cfg, coord, engine, TideMetrics(), lambda: loop.call_soon_threadsafe(stop.set))
 
     def prepare() -> None:  # RPCs wait on this loop: run them from another thread
-        engine.install(run.target, run.store, cfg.store)
+        engine.install(run.target, run.store, cfg.store, cfg.serve.draft_dtype)
         coord.wait_for_trainer(cfg.runtime.trainer_start_timeout_s)
         coord.start()
         coord.serving_starts()

@@ -22,7 +22,15 @@ import torch
 
 from tide.config import ServeConfig, StoreConfig
 from tide.model.target import Target
-from tide.serve.engine import EXTENSION, EngineControl, RequestResult, Window, executor_backend, step_costs
+from tide.serve.engine import (
+    EXTENSION,
+    EngineControl,
+    RequestResult,
+    Window,
+    executor_backend,
+    speculative_config,
+    step_costs,
+)
 
 if TYPE_CHECKING:
     from tide.control import LatencyModel
@@ -45,11 +53,9 @@ def server_args(target: Target, cfg: ServeConfig, draft_dir: Path | None, dtype:
             "--distributed-executor-backend", executor_backend(cfg)]
     argv += ["--enforce-eager"] if cfg.enforce_eager else []
     if draft_dir is not None:  # as TideEngine: the worker picks each step's k; no async scheduling
-        argv += ["--speculative-config", json.dumps(
-            {"method": "eagle3", "model": str(draft_dir), "num_speculative_tokens": cfg.num_speculative_tokens,
-             "num_speculative_tokens_per_batch_size": [[1, cfg.max_num_seqs, cfg.num_speculative_tokens]]}),
-            "--worker-extension-cls", EXTENSION, "--no-async-scheduling",
-            "--per-request-spec-decode-metrics", "summary"]
+        argv += ["--speculative-config", json.dumps(speculative_config(cfg, draft_dir)),
+                 "--worker-extension-cls", EXTENSION, "--no-async-scheduling",
+                 "--per-request-spec-decode-metrics", "summary"]
     args = make_arg_parser(FlexibleArgumentParser()).parse_args(argv + list(extra))
     validate_parsed_serve_args(args)
     return args
@@ -81,11 +87,12 @@ class AsyncEngine(EngineControl):
         self._t0, self._t0_wall = time.perf_counter(), time.time()
         self._last = 0.0  # when the last window closed
 
-    def install(self, target: Target, store_root: Path, store: StoreConfig) -> None:
-        """The worker extension's hooks, the chunk writer, and closing requests in the worker."""
+    def install(self, target: Target, store_root: Path, store: StoreConfig, draft_dtype: str = "auto") -> None:
+        """The worker extension's hooks, the chunk writer, closing requests in the worker, and the draft's
+        GEMMs (`ServeConfig.draft_dtype`)."""
         if self.speculative:
             self.rpc("tide_install", str(store_root), asdict(target.chunk_meta()), store.chunk_tokens,
-                     store.max_pending_chunks, store.retention_tokens, True, True, self.version, True)
+                     store.max_pending_chunks, store.retention_tokens, True, True, self.version, True, draft_dtype)
 
     def rpc(self, method: str, *args: Any) -> Any:
         call = self.client.collective_rpc(method, args=args)

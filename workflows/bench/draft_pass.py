@@ -8,7 +8,8 @@ Each setting is served once unmeasured first (a new draft length meets new shape
 its kernels for them on first use), then in three measured rounds. The same on an untrained head at
 draft vocabulary 8k and 4k gives the LM head's share. A profiled run (torch.profiler, CPU) splits the
 base draft's passes by aten op and Python time. The bytes of the weights a pass reads, against the
-target's, give the floor a memory-bound pass cannot go under."""
+target's (float32), give the floor a memory-bound pass cannot go under; the draft's GEMMs read bf16 where
+`serve.draft_dtype` makes them so (the default on a CPU with bf16 matmul units)."""
 
 from __future__ import annotations
 
@@ -75,7 +76,7 @@ class _Timer:
 
 
 def _mb(model_dir: Path, bytes_per_param: int = 4) -> float:
-    """MB of weights a pass reads, served in float32: every float tensor of the checkpoint (the target's
+    """MB of weights a pass reads at `bytes_per_param`: every float tensor of the checkpoint (the target's
     tied embedding once, as its LM head; the draft's index maps d2t/t2d are not weights)."""
     from safetensors import safe_open
 
@@ -133,7 +134,8 @@ def _measure(cfg: Any, target: Any, draft: Path, data: Path, quick: bool, profil
     eng = TideEngine(target, cfg.serve, draft, dtype=cfg.model.dtype, capture=False)
     runner = eng.engine.collective_rpc(lambda worker: worker.model_runner)[0]
     timer = _Timer(runner.drafter)
-    out: dict[str, Any] = {"draft_mb": _mb(draft)}
+    out: dict[str, Any] = {"draft_gemms": eng.draft_gemms,
+                           "draft_mb": _mb(draft, 2 if eng.draft_gemms == "bfloat16" else 4)}
     try:
         for b in (1, 4):
             reqs = requests(target, data, "gsm8k", "gsm8k/test.jsonl", b, 32 if quick else 96, f"dp{b}")
