@@ -51,35 +51,42 @@ def answers(target: Target, work: Path, data: Path, n: int,
 
 
 def _train_cfg() -> TrainConfig:
-    """The embedded default's trainer settings, evaluated at gamma 3 (the issue's and the paper's
-    figure) whatever K the default serves with."""
+    """The embedded default's trainer settings (its cycle), evaluated at gamma 3 (the issue's and the
+    paper's figure) whatever K the default serves with."""
     return dataclasses.replace(load_config(DEFAULT).train, gamma=3)
 
 
-def _cycle(target: Target, store: Path, drafts: Path, cfg: TrainConfig):
+# draft-learning trains with the draft-recipe curve's best recipe (16 epochs at lr 1e-3, held-out early
+# stopping) on at most 64k training rows: what a draft learns from that much of one domain
+RECIPE = TrainConfig(lr=1e-3, epochs=16.0, eval_every=100, patience=2, gamma=3)
+RECIPE_ROWS = 64_000
+
+
+def _cycle(target: Target, store: Path, drafts: Path, cfg: TrainConfig, train_rows: int = 0):
     from tide.train import DraftTrainer
 
     shutil.rmtree(drafts, ignore_errors=True)
     trainer = DraftTrainer(cfg, target.path, store, drafts, expect=target.chunk_meta(), aux_layer_ids=target.layer_ids,
                            draft_vocab_size=8192, eval_fraction=0.15)
-    return trainer.cycle()
+    return trainer.cycle(train_rows=train_rows)
 
 
-def _recompute_and_train(target: Target, work: Path, reqs: list):
+def _recompute_and_train(target: Target, work: Path, reqs: list, cfg: TrainConfig, train_rows: int = 0):
     """Hidden states of `reqs` regenerated into a fresh store, then one cycle; (seconds, result)."""
     store = work / "store"
     shutil.rmtree(store, ignore_errors=True)
     t0 = time.time()
     write_recomputed(target, store, reqs, workload="gsm8k")
-    return time.time() - t0, _cycle(target, store, work / "drafts", _train_cfg())
+    return time.time() - t0, _cycle(target, store, work / "drafts", cfg, train_rows)
 
 
 def draft_learning(work: Path, data: Path, quick: bool = False) -> dict[str, Any]:
     target = smollm2()
     reqs = answers(target, work, data, 80 if quick else 200)
-    recompute_s, r = _recompute_and_train(target, work, reqs)
-    return {"al_before": r.al_before, "al_after": r.al_after, "gamma": _train_cfg().gamma,
-            "train_tokens": r.train_tokens, "wall_s": r.wall_s, "train_steps": r.steps,
+    recompute_s, r = _recompute_and_train(target, work, reqs, RECIPE, RECIPE_ROWS)
+    return {"al_before": r.al_before, "al_after": r.al_after, "gamma": RECIPE.gamma,
+            "recipe": dataclasses.asdict(RECIPE),
+            "max_train_rows": RECIPE_ROWS, "train_tokens": r.train_tokens, "wall_s": r.wall_s, "train_steps": r.steps,
             "train_tokens_per_s": r.tokens_per_s, "vocab_coverage": r.vocab_coverage,
             "questions": len(reqs), "output_tokens": sum(len(o) for _, _, o in reqs),
             "recompute_s": recompute_s, "draft": str(work / "drafts" / f"v{r.version}")}
@@ -91,7 +98,7 @@ def training_cycle(work: Path, data: Path, quick: bool = False) -> dict[str, Any
     same way. Ratio = recompute time / TIDE time."""
     target = smollm2()
     reqs = answers(target, work.parent / "draft-learning", data, 80 if quick else 200)
-    regenerate_s, r = _recompute_and_train(target, work, reqs)
+    regenerate_s, r = _recompute_and_train(target, work, reqs, _train_cfg())
     tide_s = r.wall_s
     recompute_s = regenerate_s + r.wall_s
     return {"fresh_tokens": sum(len(p) + len(o) - 1 for _, p, o in reqs), "tide_s": tide_s,
