@@ -91,8 +91,9 @@ class AsyncEngine(EngineControl):
         """The worker extension's hooks, the chunk writer, closing requests in the worker, and the draft's
         GEMMs (`ServeConfig.draft_dtype`)."""
         if self.speculative:
-            self.rpc("tide_install", str(store_root), asdict(target.chunk_meta()), store.chunk_tokens,
-                     store.max_pending_chunks, store.retention_tokens, True, True, self.version, True, draft_dtype)
+            self.draft_gemms = self.rpc("tide_install", str(store_root), asdict(target.chunk_meta()),
+                                        store.chunk_tokens, store.max_pending_chunks, store.retention_tokens, True,
+                                        True, self.version, True, draft_dtype)["draft_gemms"]
 
     def rpc(self, method: str, *args: Any) -> Any:
         call = self.client.collective_rpc(method, args=args)
@@ -125,7 +126,7 @@ class AsyncEngine(EngineControl):
 
     def process_info(self) -> dict[str, Any]:
         return {"engine_core": "own process", "pid": os.getpid(), "cores": sorted(os.sched_getaffinity(0)),
-                "threads": torch.get_num_threads()}
+                "threads": torch.get_num_threads(), "draft_gemms": self.draft_gemms}
 
     def shutdown(self) -> None:
         self.client.shutdown()

@@ -145,6 +145,7 @@ class EngineControl:
     version: int  # the draft serving
     speculate: bool
     lengths: list[int]  # draft length by batch size
+    draft_gemms: str = ""  # the dtype the draft's GEMMs compute in (ServeConfig.draft_dtype)
 
     def rpc(self, method: str, *args: Any) -> Any:
         raise NotImplementedError
@@ -226,7 +227,6 @@ class TideEngine(EngineControl):
         self.speculate = self.speculative
         self.lengths = [self.gamma] * (cfg.max_num_seqs + 1)
         self.step_walls: list[float] = []  # wall time of each engine step since the last window closed
-        self.draft_gemms = ""  # the dtype the draft's GEMMs compute in (ServeConfig.draft_dtype)
         if self.speculative:
             meta = asdict(target.chunk_meta())
             self.draft_gemms = self.rpc("tide_install", str(store_root or ""), meta, chunk_tokens, max_pending_chunks,
@@ -248,7 +248,8 @@ class TideEngine(EngineControl):
 
         inproc = type(self.engine.engine_core).__name__ == "InprocClient"
         return {"engine_core": "in-process" if inproc else "own process", "pid": os.getpid(),
-                "cores": sorted(os.sched_getaffinity(0)), "threads": torch.get_num_threads()}
+                "cores": sorted(os.sched_getaffinity(0)), "threads": torch.get_num_threads(),
+                "draft_gemms": self.draft_gemms}
 
     def close(self) -> None:
         if self.speculative:
