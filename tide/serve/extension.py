@@ -410,12 +410,19 @@ def _cpu_bf16_units() -> bool:
 
 
 def _bf16_linear(layer: torch.nn.Module) -> Any:
-    """A `cpu_linear` for `layer` that computes x W^T + b with W in bf16. vLLM-CPU keeps a packed float32
-    GEMM and drops the weight, so W is read back through that GEMM (x = I: one product per sum, exact)."""
+    """A `cpu_linear` for `layer` that computes x W^T + b with W in bf16.
+
+    vLLM-CPU packs a linear layer's float32 weight and drops it. The first time, W is read back through
+    that GEMM (x = I: one product per sum, exact) and kept, with vLLM's flag for a layer it leaves
+    unpacked: a hot-swap's reload then keeps the new float32 weight too (it copies into the tensors the
+    layer had), and the repack after it needs no read-back (~40 ms of GEMMs for SmolLM2's draft)."""
     from vllm import _custom_ops as ops
 
-    k = layer.weight.shape[1] if layer.weight.numel() else getattr(layer, "input_size_per_partition", layer.input_size)
-    w = layer.cpu_linear(torch.eye(k), layer.weight, None).t().to(torch.bfloat16).contiguous()  # [N, K]
+    if not layer.weight.numel():
+        eye = torch.eye(getattr(layer, "input_size_per_partition", layer.input_size))
+        layer.weight.data = layer.cpu_linear(eye, layer.weight, None).t().contiguous()  # [N, K]
+        layer._cpu_skip_gemm_dispatch = True
+    w = layer.weight.detach().to(torch.bfloat16).contiguous()
     bias = layer.bias if getattr(layer, "bias", None) is not None and layer.bias.numel() else None
     try:
         handler = ops.create_onednn_mm(w.t(), 32)  # vLLM's own packing, from a [K, N] view as it passes
