@@ -202,6 +202,26 @@ def test_the_coordinator_beats_and_a_trainer_silent_at_shutdown_is_reported_down
     engine.writer.close()
 
 
+def test_shutdown_waits_for_the_cycle_in_flight_and_records_its_draft_undeployed(tmp_path: Path) -> None:
+    """The trainer reads Shutdown only after its cycle: the coordinator stays until the answer comes
+    (so that it is there to deliver the Shutdown) and records the draft, which nothing deploys."""
+    import threading
+
+    engine, transport = FakeEngine(tmp_path), ListTransport()
+    coord = Coordinator(config("always"), engine, transport, trainer_ranks=[1], drafts_root=str(tmp_path))
+    coord.start()
+    coord.trainer_alive, coord.trainer_seen, coord.in_flight = True, time.time(), (1, time.time())
+    answer = threading.Timer(0.3, lambda: transport.inbox.append((1, ready(1, 1, 1.8, 1.0))))
+    answer.start()
+    coord.shutdown("workload done")
+    answer.join()
+    assert isinstance(transport.sent[-1][1], Shutdown) and coord.in_flight is None
+    last = coord.events[-1]
+    assert (last.kind, last.version) == ("trained", 1) and "after the stop: not deployed" in last.reason
+    assert engine.swaps == [] and "deploy" not in [e.kind for e in coord.events]
+    engine.writer.close()
+
+
 def test_a_restarted_run_collects_from_after_the_chunks_its_newest_draft_was_trained_on(tmp_path: Path) -> None:
     """Rows stored after the newest draft's training read (and before a stop) belong to the first
     collection of the next start; the rows that draft already learnt do not."""

@@ -59,6 +59,7 @@ from tide.serve.engine import EngineControl, RequestResult, Window
 from tide.workload import Finished, until_status
 
 log = logging.getLogger(__name__)
+SHUTDOWN_WAIT_S = 30.0  # for the cycle in flight at the end; the step guard gives the trainer 60 s (TIDE_TRAIN_GRACE)
 
 
 @dataclass
@@ -288,16 +289,7 @@ class Coordinator:
                 if self.in_flight and msg.cycle == self.in_flight[0]:
                     self.progress = msg
             elif isinstance(msg, DraftReady):
-                new, base, live = (PositionRates.from_histogram(AcceptanceHistogram(len(c) - 1, list(c)))
-                                   for c in (msg.eval_counts, msg.base_counts, msg.live_counts))
-                chained = (f", live v{msg.live_version} {msg.live_al:.3f}"
-                           if msg.live_version != msg.base_version else "")
-                self.record("trained", f"cycle {msg.cycle}: eval AL {msg.eval_al:.3f} (from v{msg.base_version} "
-                            f"{msg.base_al:.3f}{chained}) on {msg.train_tokens} tokens in {msg.wall_s:.0f} s",
-                            msg.version, eval_al=msg.eval_al, base_al=msg.base_al, live_al=msg.live_al,
-                            base_version=msg.base_version, wall_s=msg.wall_s, eval_rates=new.rates(),
-                            base_rates=base.rates())
-                self.eval_al[msg.version], self.held_out[msg.version] = msg.eval_al, new
+                new, live = self._trained(msg)
                 self.eval_counts[msg.version] = list(msg.eval_counts)
                 if self.policy == "always":
                     self.collect.on_trained(msg.version, msg.eval_al, msg.live_al)
@@ -313,6 +305,18 @@ class Coordinator:
                 self._apply(self.collect.on_training_failed(msg.reason))
             elif not isinstance(msg, Heartbeat):
                 log.warning("coordinator: unexpected %s from rank %d", type(msg).__name__, src)
+
+    def _trained(self, msg: DraftReady, note: str = "") -> tuple[PositionRates, PositionRates]:
+        """Record a trained draft; its held-out and the live draft's rates."""
+        new, base, live = (PositionRates.from_histogram(AcceptanceHistogram(len(c) - 1, list(c)))
+                           for c in (msg.eval_counts, msg.base_counts, msg.live_counts))
+        chained = f", live v{msg.live_version} {msg.live_al:.3f}" if msg.live_version != msg.base_version else ""
+        self.record("trained", f"cycle {msg.cycle}: eval AL {msg.eval_al:.3f} (from v{msg.base_version} "
+                    f"{msg.base_al:.3f}{chained}) on {msg.train_tokens} tokens in {msg.wall_s:.0f} s{note}",
+                    msg.version, eval_al=msg.eval_al, base_al=msg.base_al, live_al=msg.live_al,
+                    base_version=msg.base_version, wall_s=msg.wall_s, eval_rates=new.rates(), base_rates=base.rates())
+        self.eval_al[msg.version], self.held_out[msg.version] = msg.eval_al, new
+        return new, live
 
     # ------------------------------------------------------------------ the other serving instances
     def _serving(self) -> list[int]:
@@ -553,3 +557,23 @@ class Coordinator:
                                             "ago): the trainer died before the end")
         for r in self.trainer_ranks:
             self.transport.send(r, Shutdown(reason))  # type: ignore[union-attr]
+        self._await_cycle()
+
+    def _await_cycle(self) -> None:
+        """A trainer reads Shutdown only between cycles. Wait, at most SHUTDOWN_WAIT_S, for the answer
+        to the cycle in flight, so that this rank is still there when the trainer reads it: over MPI a
+        trainer that finished its cycle after rank 0 had exited never read the Shutdown sent before
+        (seen in CI), and waited `trainer_timeout_s` for a word until the step guard stopped it."""
+        deadline = time.time() + SHUTDOWN_WAIT_S
+        while self.in_flight and self.trainer_alive and time.time() < deadline:
+            for _, msg in self.transport.poll():  # type: ignore[union-attr]
+                if isinstance(msg, (DraftReady, TrainFailed)) and msg.cycle == self.in_flight[0]:
+                    self.in_flight = None
+                    if isinstance(msg, DraftReady):
+                        self._trained(msg, ", after the stop: not deployed")
+                    else:
+                        self.record("train-failed", f"{msg.reason} (after the stop)")
+            time.sleep(0.05)
+        if self.in_flight:
+            log.warning("coordinator: cycle %d still training %.0f s after the stop: not waiting for it",
+                        self.in_flight[0], SHUTDOWN_WAIT_S)
