@@ -16,6 +16,7 @@ import pytest
 
 from tide.config import TideConfig, load_config
 from tide.control import LatencyModel
+from tide.draft.acceptance import PositionRates
 from tide.runtime.coordinator import Coordinator
 from tide.runtime.messages import DraftReady, Heartbeat, Message, Shutdown, Train, TrainFailed, TrainProgress
 from tide.serve.engine import Window
@@ -361,6 +362,26 @@ def test_the_gate_sets_the_draft_lengths_from_the_live_rates(tmp_path: Path) -> 
     assert coord.events[-1].kind == "collect" and "learn the live workload" in coord.events[-1].reason
     coord.on_window(window(engine, first=0.0, steps=300))
     assert engine.lengths == [0, 0, 0, 0, 0] and coord.events[-1].kind == "spec-off"
+    engine.writer.close()
+
+
+def test_a_draft_turned_off_by_live_steps_stays_off_whatever_its_held_out_walk_said(tmp_path: Path) -> None:
+    """After a shift the live steps turn the draft off; its held-out walk, from before the shift, must
+    not turn it on again a window later (the oscillation of a replay's translation phase)."""
+    engine, transport = FakeEngine(tmp_path), ListTransport()
+    cfg = config("adaptive")
+    cfg = dataclasses.replace(cfg, draft=dataclasses.replace(cfg.draft, init="some-base-draft"))
+    coord = Coordinator(cfg, engine, transport, trainer_ranks=[1], drafts_root=str(tmp_path))
+    coord.start()
+    coord.held_out[0] = PositionRates(3, [300] * 3, [270, 240, 210])  # what v0's training cycle measured
+    coord._estimate = coord.held_out[0]
+    coord.on_window(window(engine, first=0.0, steps=300))
+    assert engine.lengths == [0] * 5 and coord.events[-1].kind == "spec-off"
+    plain = Window(0.0, 1.0, 100, 100, 1.0, [100, 0, 0, 0], 0, False, engine.writer.stats()["tokens"],
+                   {"tried": [0] * 3, "accepted": [0] * 3})
+    for _ in range(3):
+        coord.on_window(plain)  # off: plain steps, nothing drafted
+    assert engine.lengths == [0] * 5 and "spec-on" not in [e.kind for e in coord.events]
     engine.writer.close()
 
 

@@ -245,6 +245,7 @@ class Coordinator:
                 if d.version is None:
                     self._speculation_off()
                 else:
+                    self._estimate = None  # the held-out walk of the draft rolled back, not of the one restored
                     self._swap(d.version)
             elif d.action is RollbackAction.CONFIRM:
                 self.record("confirm", d.reason, d.version)
@@ -447,6 +448,8 @@ class Coordinator:
             if d.action is not SpecAction.RESIZE:  # requests that span an off -> on switch draft from a stale KV
                 self._live.clear()
                 self._swapped_in_window = True
+            if d.action is SpecAction.DISABLE:  # live steps outrank the draft's held-out walk, which predates
+                self._estimate = None  # them (a shift): off until a cycle or a deploy brings fresh evidence
             kind = {SpecAction.ENABLE: "spec-on", SpecAction.DISABLE: "spec-off"}.get(d.action, "draft-length")
             self.record(kind, d.reason, self.engine.version, lengths=list(self.gate.lengths))
         if self.gate.length(w.mean_batch) == 0:
