@@ -213,17 +213,25 @@ def _adaptive_row(cfg: Any, eng: TideEngine, model: LatencyModel, reqs: list[Req
                                            w.position_rates() if w.rates else None))
         eng.set_draft_lengths(gate.lengths)
 
+    order = ["adaptive", "k1", "k2", "k3"]
+    rates = {name: PositionRates(eng.gamma) for name in order}  # what each setting's steps accepted
+    batch: dict[str, list[float]] = {name: [] for name in order}
+
     def run(name: str) -> float:
         if name == "adaptive":  # with the coordinator's probes
             eng.set_draft_lengths(gate.lengths)
             eng.set_probe(cfg.control.speculation.probe_every)
-            return serve_closed_loop(eng, reqs, b, name, on_window=adapt, window_s=2.0).tokens_per_s
-        eng.set_probe(0)
-        eng.set_draft_lengths([int(name[1])] * len(eng.lengths))
-        return serve_closed_loop(eng, reqs, b, name).tokens_per_s
+            served = serve_closed_loop(eng, reqs, b, name, on_window=adapt, window_s=2.0)
+        else:
+            eng.set_probe(0)
+            eng.set_draft_lengths([int(name[1])] * len(eng.lengths))
+            served = serve_closed_loop(eng, reqs, b, name)
+        rates[name].merge(served.rates)
+        batch[name].append(served.batch)
+        return served.tokens_per_s
 
     run("adaptive")  # warm-up: the gate learns the rates (and the engine's caches warm)
-    order = ["adaptive", "k1", "k2", "k3"]
+    rates["adaptive"], batch["adaptive"] = PositionRates(eng.gamma), []
     runs: dict[str, list[float]] = {name: [] for name in order}
     for r in range(rounds):
         for name in order if r % 2 == 0 else order[::-1]:
@@ -231,10 +239,17 @@ def _adaptive_row(cfg: Any, eng: TideEngine, model: LatencyModel, reqs: list[Req
     means = {name: statistics.fmean(v) for name, v in runs.items()}
     best = max(("k1", "k2", "k3"), key=lambda k: means[k])
     default = f"k{load_config(DEFAULT).serve.num_speculative_tokens}"
+    # the gate's model against the fixed runs: its predicted speedup of each k at the run's own batch
+    # and rates, beside the measured tokens/s (where a wrong choice comes from: the costs or the rates)
+    predicted = {name: gate.model.speedup(statistics.fmean(batch[name]), int(name[1]),
+                                          rates[name].expected_length(int(name[1]))) for name in order[1:]}
     row = {"batch": b, "tokens_per_s": means, "runs": runs, "lengths": list(gate.lengths), "best_fixed": best,
+           "rates": {name: r.rates() for name, r in rates.items()},
+           "mean_batch": {name: statistics.fmean(v) for name, v in batch.items()}, "predicted_speedup": predicted,
            "model": gate.model.to_json(),
            "adaptive_over_best_fixed": means["adaptive"] / means[best],
            "adaptive_over_default": means["adaptive"] / means[default]}
     print(f"b={b}: " + ", ".join(f"{k} {v:.1f}" for k, v in means.items()) +
-          f" tok/s; adaptive/best fixed ({best}) {row['adaptive_over_best_fixed']:.3f}", flush=True)
+          f" tok/s; adaptive/best fixed ({best}) {row['adaptive_over_best_fixed']:.3f}; the gate's model predicts " +
+          ", ".join(f"{k} {v:.2f}x" for k, v in predicted.items()), flush=True)
     return row
