@@ -21,7 +21,7 @@ from tide.control import (
     SpeculationGate,
     SpeculationObservation,
 )
-from tide.draft.acceptance import AcceptanceHistogram, PositionRates
+from tide.draft.acceptance import AcceptanceHistogram, PositionRates, RecentRates
 
 GAMMA = 3
 
@@ -64,6 +64,20 @@ def test_rates_of_a_fixed_length_walk_and_of_untried_positions() -> None:
     only_first = PositionRates(3, [100, 0, 0], [40, 0, 0])
     assert only_first.rates() == [0.4, 0.4, 0.4]  # an untried position takes the rate before it
     assert only_first.rates(-4)[0] < 0.4 < only_first.rates(+4)[0]
+
+
+def test_recent_rates_keep_whole_windows_covering_the_steps_asked_for() -> None:
+    """The gate's live evidence: windows of 80 drafting steps, 256 kept -> the newest 4 windows (the
+    oldest of them is dropped only once the other three alone hold 256)."""
+    live = RecentRates(1, keep_steps=256)
+    for i in range(10):
+        live.add(PositionRates(1, [80], [10 * i]))
+    assert len(live.windows) == 4 and live.steps == 320
+    assert live.merged().rates() == [pytest.approx((60 + 70 + 80 + 90) / 320)]
+    live.add(PositionRates(1, [300], [0]))  # one window that alone holds enough
+    assert len(live.windows) == 1
+    live.clear()
+    assert live.steps == 0 and live.merged().rates() == [1.0]
 
 
 # ---------------------------------------------------------------- latency model and Eq. 5

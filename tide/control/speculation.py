@@ -243,10 +243,11 @@ class SpeculationGate:
             self.lengths = [0] + [self.model.gamma if self.cfg.start_enabled else 0] * self.max_batch
 
     def length(self, batch: float) -> int:
-        return self.lengths[self._b(batch)]
+        return self.lengths[self.batch(batch)]
 
-    def _b(self, batch: float) -> int:
-        return min(max(round(batch), 1), self.max_batch)
+    def batch(self, mean_batch: float) -> int:
+        """The batch size whose draft length a window of this mean batch runs (and decides)."""
+        return min(max(round(mean_batch), 1), self.max_batch)
 
     @property
     def enabled(self) -> bool:
@@ -266,7 +267,7 @@ class SpeculationGate:
         the best, k 2, gains under 3% (switch_margin): STAY. Rates [0.05, 0, 0] give 0.97, 0.90, 0.84:
         from k 3, below 1 - margin_off, and plain (1.0) is the best: DISABLE.
         """
-        cfg, b_now = self.cfg, self._b(obs.batch_size)
+        cfg, b_now = self.cfg, self.batch(obs.batch_size)
         on_now = self.lengths[b_now] > 0
         live = obs.live if obs.live is not None and obs.live.steps else None
         rates, src = (live, "live") if on_now or obs.estimate is None else (obs.estimate, "held-out")

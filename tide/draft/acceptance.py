@@ -8,6 +8,7 @@ P(accepted > j) are [2/4, 1/4, 1/4].
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 
 
@@ -117,3 +118,33 @@ class PositionRates:
 
     def to_json(self) -> dict:
         return {"tried": list(self.tried), "accepted": list(self.accepted), "rates": self.rates()}
+
+
+@dataclass
+class RecentRates:
+    """The drafting steps of the most recent windows, whole windows, the oldest dropped while the rest
+    still hold `keep_steps`: the speculation gate's live evidence. One window is too few to decide on
+    (a 2 s window at batch 4 drafts ~80 times, under speculation.min_steps), all of them too many to
+    follow a shift."""
+
+    gamma: int
+    keep_steps: int
+    windows: deque[PositionRates] = field(default_factory=deque)
+
+    def add(self, rates: PositionRates) -> None:
+        self.windows.append(rates)
+        while len(self.windows) > 1 and self.steps - self.windows[0].steps >= self.keep_steps:
+            self.windows.popleft()
+
+    def clear(self) -> None:
+        self.windows.clear()
+
+    @property
+    def steps(self) -> int:
+        return sum(r.steps for r in self.windows)
+
+    def merged(self) -> PositionRates:
+        out = PositionRates(self.gamma)
+        for r in self.windows:
+            out.merge(r)
+        return out

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,7 +37,7 @@ from tide.control import (
     SpeculationObservation,
     cost_key,
 )
-from tide.draft.acceptance import AcceptanceHistogram, PositionRates
+from tide.draft.acceptance import AcceptanceHistogram, PositionRates, RecentRates
 from tide.runtime.messages import (
     RESULTS_RECEIVED,
     Capture,
@@ -97,7 +96,7 @@ class Coordinator:
         self.gate: SpeculationGate | None = None
         self.model: LatencyModel | None = None  # step latencies: the start-up profile, refit while serving
         self._reported: dict[str, float] = {}  # the model's figures as last recorded
-        self._live: deque[PositionRates] = deque()  # recent windows' drafting steps while speculating
+        self._live = RecentRates(self.gamma, cfg.control.speculation.min_steps)  # drafting steps while speculating
         self._steps = 0
         self._estimate: PositionRates | None = None  # the serving draft's held-out walk, from its training cycle
         self.held_out: dict[int, PositionRates] = {}  # each trained draft's held-out walk
@@ -436,11 +435,8 @@ class Coordinator:
 
     def _gate(self, w: Window, evidence: bool) -> None:
         if evidence and w.steps:
-            self._live.append(w.position_rates())
-            while len(self._live) > 1 and sum(r.steps for r in self._live) - self._live[0].steps \
-                    >= self.cfg.control.speculation.min_steps:
-                self._live.popleft()
-        live = self._live_rates()
+            self._live.add(w.position_rates())
+        live = self._live.merged()
         d = self.gate.decide(SpeculationObservation(self._steps, self.now(), max(w.mean_batch, 1.0), live,
                                                     self._estimate))
         if d.action is not SpecAction.STAY:
@@ -454,13 +450,6 @@ class Coordinator:
             self.record(kind, d.reason, self.engine.version, lengths=list(self.gate.lengths))
         if self.gate.length(w.mean_batch) == 0:
             self._keep_learning()
-
-    def _live_rates(self) -> PositionRates:
-        """The live draft's per-position acceptance over the recent windows the gates keep."""
-        live = PositionRates(self.gamma)
-        for r in self._live:
-            live.merge(r)
-        return live
 
     def _speculation_off(self) -> None:
         if self.gate is not None:
@@ -492,7 +481,7 @@ class Coordinator:
         self.record("train", reason, data_cycle=self.cycles_asked, base_version=base)
 
     def _deploy(self, version: int, reason: str) -> None:
-        previous, before = self.version, self._live_rates()
+        previous, before = self.version, self._live.merged()
         if not self._swap(version):
             return
         self.record("deploy", reason, version)

@@ -11,8 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from tide.config import load_config
-from tide.control import LatencyModel, SpeculationGate, SpeculationObservation
-from tide.draft.acceptance import PositionRates
+from tide.control import LatencyModel, SpecAction, SpeculationGate, SpeculationObservation
+from tide.draft.acceptance import PositionRates, RecentRates
 from tide.runtime.processes import bind_serving
 from tide.serve.engine import Request, TideEngine
 from workflows.bench.common import (
@@ -203,14 +203,17 @@ def adaptive_k(work: Path, data: Path, quick: bool = False) -> dict[str, Any]:
 def _adaptive_row(cfg: Any, eng: TideEngine, model: LatencyModel, reqs: list[Request], b: int,
                   rounds: int) -> dict[str, Any]:
     gate = SpeculationGate(cfg.control.speculation, LatencyModel.from_json(model.to_json()), cfg.serve.max_num_seqs)
-    steps = [0]
+    steps, live = [0], RecentRates(eng.gamma, cfg.control.speculation.min_steps)
 
     def adapt(w: Any) -> None:  # what the coordinator does with each window: refit, then decide
         steps[0] += w.steps
         if w.costs:
             gate.model.observe_costs(w.costs, cfg.serve.max_num_seqs * (eng.gamma + 1))
-        gate.decide(SpeculationObservation(steps[0], time.monotonic(), max(w.mean_batch, 1.0),
-                                           w.position_rates() if w.rates else None))
+        if w.rates:
+            live.add(w.position_rates())
+        d = gate.decide(SpeculationObservation(steps[0], time.monotonic(), max(w.mean_batch, 1.0), live.merged()))
+        if d.action in (SpecAction.ENABLE, SpecAction.DISABLE):  # requests spanning it draft from a stale KV
+            live.clear()
         eng.set_draft_lengths(gate.lengths)
 
     order = ["adaptive", "k1", "k2", "k3"]
@@ -239,9 +242,10 @@ def _adaptive_row(cfg: Any, eng: TideEngine, model: LatencyModel, reqs: list[Req
     means = {name: statistics.fmean(v) for name, v in runs.items()}
     best = max(("k1", "k2", "k3"), key=lambda k: means[k])
     default = f"k{load_config(DEFAULT).serve.num_speculative_tokens}"
-    # the gate's model against the fixed runs: its predicted speedup of each k at the run's own batch
-    # and rates, beside the measured tokens/s (where a wrong choice comes from: the costs or the rates)
-    predicted = {name: gate.model.speedup(statistics.fmean(batch[name]), int(name[1]),
+    # the gate's model against the fixed runs: its predicted speedup of each k at the batch size the
+    # gate reads for the run's mean batch, and the run's rates, beside the measured tokens/s (where a
+    # wrong choice comes from: the costs or the rates)
+    predicted = {name: gate.model.speedup(gate.batch(statistics.fmean(batch[name])), int(name[1]),
                                           rates[name].expected_length(int(name[1]))) for name in order[1:]}
     row = {"batch": b, "tokens_per_s": means, "runs": runs, "lengths": list(gate.lengths), "best_fixed": best,
            "rates": {name: r.rates() for name, r in rates.items()},
