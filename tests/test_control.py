@@ -151,9 +151,22 @@ def test_serving_calibrates_each_entry_then_refits_the_machine_speed() -> None:
     m.observe_target(4, 4, 0.020, steps=2000)  # the machine now runs at half the speed
     assert m.target_latency(4) == near(0.020) and m.target_latency(4, 8) == pytest.approx(0.020 * ratio, rel=0.01)
     assert m.break_even(4, 1) == pytest.approx(bar, rel=0.01)
-    m.observe_draft(2, 1, 0.009)
-    assert m.draft_latency(2, 1) == pytest.approx(0.009)  # a first observation is taken as it is
     assert LatencyModel.from_json(m.to_json()) == m
+
+
+def test_an_entry_first_seen_while_serving_starts_from_its_neighbours() -> None:
+    """A batch the profile never ran (3 of a closed loop of 4) is priced from batches 2 and 4 and
+    calibrates from there: one slow first step does not set its cost."""
+    m = LatencyModel({(2, 2): 0.060, (4, 4): 0.090}, {(4, 1): 0.004}, gamma=1)
+    m.observe_target(3, 3, 0.239)
+    assert m.target[(3, 3)] == pytest.approx((16 * 0.075 + 0.239) / 17, rel=0.01)
+    m.observe_target(3, 3, 0.080, steps=63)  # calibrated: the reading counts as 16 steps, the served 64
+    assert m.target[(3, 3)] * m.scale == pytest.approx((16 * 0.075 + 0.239 + 63 * 0.080) / 80, rel=0.03)
+    m.observe_draft(2, 1, 0.009)  # below the measured batches: batch 4's
+    assert m.draft[(2, 1)] == pytest.approx((16 * 0.004 + 0.009 / m.scale) / 17, rel=0.01)
+    fresh = LatencyModel({(1, 1): 0.05}, {}, gamma=1)
+    fresh.observe_draft(1, 1, 0.003)
+    assert fresh.draft_latency(1, 1) == pytest.approx(0.003)  # nothing to read: taken as it is
 
 
 def test_a_windows_step_costs_refit_decode_and_verify_steps_and_leave_prefills_out() -> None:
