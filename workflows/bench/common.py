@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from tide.config import WorkloadConfig, load_config
-from tide.control import LatencyModel, cost_key
 from tide.draft import DraftRegistry, init_draft, save_draft
 from tide.draft.acceptance import PositionRates
 from tide.model.target import Target
@@ -78,24 +77,18 @@ class Served(NamedTuple):
     tokens_per_s: float
     rates: PositionRates
     batch: float  # mean over the steps
-    prefill_share: float  # of the wall time, in steps over more tokens than a decode or verify step
 
 
-def serve_closed_loop(eng: TideEngine, reqs: list[Request], b: int, tag: str,
-                      refit: LatencyModel | None = None, **hooks: Any) -> Served:
-    """`reqs` served as a closed loop of `b`; `refit` learns from the steps, as the coordinator's
-    model does while serving."""
+def serve_closed_loop(eng: TideEngine, reqs: list[Request], b: int, tag: str, **hooks: Any) -> Served:
+    """`reqs` served as a closed loop of `b` (`hooks`: `TideEngine.replay`'s, and its `window_s`)."""
     reqs = [Request(f"{tag}-{time.monotonic_ns()}-{r.request_id}", r.prompt_ids, r.max_tokens, None, r.workload)
             for r in reqs]
     t0 = time.perf_counter()
     res, wins = eng.replay(reqs, concurrency=b, window_s=hooks.pop("window_s", 1e9), **hooks)
     wall = time.perf_counter() - t0
-    rates, most, prefill_s = PositionRates(max(eng.gamma, 1)), (len(eng.lengths) - 1) * (eng.gamma + 1), 0.0
-    for w in wins:  # eng.lengths: one per batch size 0..max_num_seqs
+    rates = PositionRates(max(eng.gamma, 1))
+    for w in wins:
         if w.rates:
             rates.merge(w.position_rates())
-        if refit is not None and w.costs:
-            refit.observe_costs(w.costs, most)
-        prefill_s += sum(s for key, (_, s) in w.costs.get("target", {}).items() if cost_key(key)[1] > most)
     batch = sum(w.mean_batch * w.steps for w in wins) / max(sum(w.steps for w in wins), 1)
-    return Served(sum(len(r.output_ids) for r in res) / wall, rates, batch, min(prefill_s / wall, 1.0))
+    return Served(sum(len(r.output_ids) for r in res) / wall, rates, batch)

@@ -1,23 +1,23 @@
 """The speculation gate against measured serving: `controller-accuracy`, `never-worse`, `off-cost`
 and `adaptive-k`. Every comparison runs in alternating pairs (the order flipped every pair, so that
-drift cancels; off-cost alternates single steps) on the same prompts and cores; each figure comes
-with its per-pair spread."""
+drift cancels) on the same prompts and cores; controller-accuracy and off-cost step two engines in
+lockstep within each run. Each figure comes with its per-pair spread."""
 
 from __future__ import annotations
 
 import statistics
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
 from tide.config import load_config
-from tide.control import LatencyModel, SpecAction, SpeculationGate, SpeculationObservation
+from tide.control import LatencyModel, SpecAction, SpeculationGate, SpeculationObservation, cost_key
 from tide.draft.acceptance import PositionRates, RecentRates
 from tide.runtime.processes import bind_serving
-from tide.serve.engine import Request, TideEngine
+from tide.serve.engine import Request, TideEngine, step_costs
 from workflows.bench.common import (
     DEFAULT,
-    Served,
     alternating_pairs,
     default_setup,
     requests,
@@ -26,70 +26,78 @@ from workflows.bench.common import (
 )
 
 
-def _speedup_pairs(eng: TideEngine, reqs: list[Request], b: int, k: int, pairs: int,
-                   refit: LatencyModel) -> list[tuple[Served, Served]]:
-    """Drafting k against plain decoding (speculation off), the same engine and prompts."""
-
-    def on() -> Served:
-        eng.set_speculation(True)
-        eng.set_draft_lengths([k] * len(eng.lengths))
-        return serve_closed_loop(eng, reqs, b, "on", refit)
-
-    def off() -> Served:
-        eng.set_speculation(False)
-        return serve_closed_loop(eng, reqs, b, "off", refit)
-
-    return alternating_pairs(pairs, on, off)
-
-
 def controller_accuracy(work: Path, data: Path, quick: bool = False) -> dict[str, Any]:
     """Eq. 5, generalised, against measured speedup: the live position rates and a latency model
-    predict drafting k = 1 and 3 at batch 1, 2 and 4; measured is drafting k over plain decoding
-    (speculation off), same engine, same GSM8K test prompts, in alternating pairs. Two models: the
+    predict drafting k = 1 and 3 at batch 1, 2 and 4. Measured is drafting k over the same engine
+    type with speculation off, on the same GSM8K test prompts, the two engines in lockstep
+    (`_lockstep`: the machine's drift, which moved one point's whole-run pairs from 0.84x to 1.04x
+    here, falls on both alike); the pairs alternate which engine steps first. Two models: the
     start-up profile alone, and the profile refit from every step served so far (the gate's: in a
-    server it has seen the steps of the batch sizes and draft lengths it serves). Eq. 5 is the
-    speedup of decode steps; a run's prediction keeps its prefill time (as the plain run measured it)."""
+    server it has seen the steps of the batch sizes and draft lengths it serves)."""
     cfg, target, drafts = default_setup(work, 3)
     eng = TideEngine(target, cfg.serve, drafts["untrained"], dtype=cfg.model.dtype, capture=False)
-    rows, pairs = [], 2 if quick else 3
+    off = TideEngine(target, cfg.serve, drafts["untrained"], dtype=cfg.model.dtype, capture=False)
+    off.set_speculation(False)
+    rows = []
     try:
-        model = eng.profile(cfg.serve.max_num_seqs)
-        refit = LatencyModel.from_json(model.to_json())
+        models = {"profile": eng.profile(cfg.serve.max_num_seqs)}
+        models["refit"] = LatencyModel.from_json(models["profile"].to_json())
         for v, (name, path) in enumerate(drafts.items()):
             eng.swap(path, v)
             for b in (1, 2, 4):
                 reqs = requests(target, data, "gsm8k", "gsm8k/test.jsonl", 2 * b, 64 if quick else 96, f"{name}{b}")
                 for k in (1, 3):
-                    runs = _speedup_pairs(eng, reqs, b, k, pairs, refit)
-                    rates = PositionRates(3)
-                    for on, _ in runs:
-                        rates.merge(on.rates)
-                    batch = statistics.fmean(on.batch for on, _ in runs)
-                    measured = [on.tokens_per_s / off.tokens_per_s for on, off in runs]
-                    m, length = statistics.fmean(measured), rates.expected_length(k)
-                    # Eq. 5 speeds up the decode steps; the prompts' prefill (its share of the plain run) is the same
-                    prefill = statistics.fmean(off.prefill_share for _, off in runs)
-                    predicted = {name: 1 / (prefill + (1 - prefill) / lm.speedup(batch, k, length))
-                                 for name, lm in (("profile", model), ("refit", refit))}
-                    rows.append({"draft": name, "batch": b, "k": k, "mean_batch": batch, "rates": rates.rates(),
-                                 "expected_length": length, "prefill_share": prefill, "measured": spread(measured),
-                                 "predicted_decode_speedup": refit.speedup(batch, k, length),
-                                 "predicted_speedup": predicted["refit"], "predicted_by_profile": predicted["profile"],
-                                 "rel_error": abs(predicted["refit"] - m) / m,
-                                 "rel_error_profile": abs(predicted["profile"] - m) / m})
-                    print(f"{name:>10} b={b} k={k} rates {[round(x, 2) for x in rates.rates()]}: measured "
-                          f"{m:.3f}x ({min(measured):.3f}-{max(measured):.3f}) predicted {predicted['refit']:.3f}x "
-                          f"({rows[-1]['rel_error']:.1%}; profile alone {predicted['profile']:.3f}x, "
-                          f"{rows[-1]['rel_error_profile']:.1%})", flush=True)
+                    rows.append({"draft": name, "batch": b, "k": k,
+                                 **_accuracy_point((eng, off), reqs, b, k, 2 if quick else 3, models)})
+                    r = rows[-1]
+                    print(f"{name:>10} b={b} k={k} rates {[round(x, 2) for x in r['rates']]}: measured "
+                          f"{r['measured']['mean']:.3f}x ({r['measured']['min']:.3f}-{r['measured']['max']:.3f}) "
+                          f"predicted {r['predicted_speedup']:.3f}x ({r['rel_error']:.1%}; profile alone "
+                          f"{r['predicted_by_profile']:.3f}x, {r['rel_error_profile']:.1%})", flush=True)
     finally:
         eng.close()
+        off.close()
     errors, profile_errors = [r["rel_error"] for r in rows], [r["rel_error_profile"] for r in rows]
+    model, refit = models["profile"], models["refit"]
     return {"max_rel_error": max(errors), "mean_rel_error": statistics.fmean(errors),
             "max_rel_error_profile": max(profile_errors), "mean_rel_error_profile": statistics.fmean(profile_errors),
-            "pairs": pairs, "model": model.to_json(), "refit_model": refit.to_json(), "rows": rows,
-            "dtype": cfg.model.dtype,
+            "pairs": len(rows[0]["pair_ratios"]), "model": model.to_json(), "refit_model": refit.to_json(),
+            "rows": rows, "dtype": cfg.model.dtype,
             "draft_step_over_target_step": model.draft_latency(1, 1) / model.target_latency(1),
             "draft_step_over_target_step_refit": refit.draft_latency(1, 1) / refit.target_latency(1)}
+
+
+def _accuracy_point(engines: tuple[TideEngine, TideEngine], reqs: list[Request], b: int, k: int, pairs: int,
+                    models: dict[str, LatencyModel]) -> dict[str, Any]:
+    """`pairs` lockstep runs of the drafting engine (k) against the one with speculation off, then
+    each model's prediction: the plain engine's decode steps priced at their batch sizes (a closed
+    loop's tail runs smaller batches than b), drafting at the runs' rates, the prefill time kept."""
+    eng, off = engines
+    most = (len(eng.lengths) - 1) * (eng.gamma + 1)  # the most tokens of a decode or verify step
+    eng.set_draft_lengths([k] * len(eng.lengths))
+    rates, plain_steps, measured, prefill = PositionRates(eng.gamma), Counter[int](), [], []
+    for i in range(pairs):
+        walls = _lockstep(engines, reqs, b, flip=i % 2 == 1)
+        stats = [e.stats(reset=True) for e in engines]
+        costs = [step_costs(st["step_costs"], w) for st, w in zip(stats, walls)]
+        for c in costs:
+            models["refit"].observe_costs(c, most)
+        rates.merge(PositionRates(eng.gamma, list(stats[0]["rates"]["tried"]), list(stats[0]["rates"]["accepted"])))
+        for key, (n, _) in costs[1]["target"].items():
+            if cost_key(key)[1] <= most:
+                plain_steps[cost_key(key)[0]] += n
+        measured.append(sum(walls[1]) / sum(walls[0]))  # equal tokens: greedy output is the same
+        prefill.append(sum(s for key, (_, s) in costs[1]["target"].items() if cost_key(key)[1] > most)
+                       / sum(walls[1]))
+    m, length, share = statistics.fmean(measured), rates.expected_length(k), statistics.fmean(prefill)
+    decode = {name: length * sum(n * lm.target_latency(bb) for bb, n in plain_steps.items())
+              / sum(n * lm.step_cost(bb, k) for bb, n in plain_steps.items()) for name, lm in models.items()}
+    predicted = {name: 1 / (share + (1 - share) / s) for name, s in decode.items()}
+    return {"mean_batch": sum(bb * n for bb, n in plain_steps.items()) / plain_steps.total(),
+            "rates": rates.rates(), "expected_length": length, "prefill_share": share,
+            "measured": spread(measured), "pair_ratios": measured, "predicted_decode_speedup": decode["refit"],
+            "predicted_speedup": predicted["refit"], "predicted_by_profile": predicted["profile"],
+            "rel_error": abs(predicted["refit"] - m) / m, "rel_error_profile": abs(predicted["profile"] - m) / m}
 
 
 def never_worse(work: Path, data: Path, quick: bool = False) -> dict[str, Any]:
@@ -160,24 +168,34 @@ def off_cost(work: Path, data: Path, quick: bool = False) -> dict[str, Any]:
     return out
 
 
-def _lockstep(engines: tuple[TideEngine, TideEngine], reqs: list[Request], b: int) -> tuple[list[float], ...]:
-    """Both engines serve `reqs` as a closed loop of `b`, one step each in turn (the order flipped every
-    step): the wall of every step of each. Greedy outputs are equal, so step i has the same batch and
-    tokens on both."""
+def _lockstep(engines: tuple[TideEngine, TideEngine], reqs: list[Request], b: int,
+              flip: bool = False) -> tuple[list[float], ...]:
+    """Both engines serve `reqs` as a closed loop of `b`, stepping in turn: the one that has emitted
+    fewer tokens steps next (ties: the order flipped every other step, `flip` starts with the
+    second), so both are at the same point of the same work at every moment. Stepping alike (off-cost)
+    they alternate step by step, and step i has the same batch and tokens on both (greedy outputs are
+    equal); one drafting against one that does not, the plain one steps about E times for each of the
+    other's. Returns the wall of every step of each, with their engines' stats and `step_walls` reset
+    at the start."""
     todo = [[Request(f"ls{j}-{time.monotonic_ns()}-{r.request_id}", r.prompt_ids, r.max_tokens, None, r.workload)
              for r in reqs] for j in (0, 1)]
-    live, walls = [0, 0], ([], [])  # type: ignore[var-annotated]
+    live, emitted, walls = [0, 0], [0, 0], ([], [])  # type: ignore[var-annotated]
+    for e in engines:
+        e.stats(reset=True)
+        e.step_walls = []
     t0 = time.perf_counter()
     now = lambda: time.perf_counter() - t0  # noqa: E731
     while any(todo) or any(live):
-        for j in (0, 1) if len(walls[0]) % 2 == 0 else (1, 0):
-            while todo[j] and live[j] < b:
-                engines[j].submit(todo[j].pop(0), now())
-                live[j] += 1
-            if live[j]:
-                start = time.perf_counter()
-                live[j] -= len(engines[j].step(now)[2])
-                walls[j].append(time.perf_counter() - start)
+        order = (0, 1) if ((len(walls[0]) + len(walls[1])) // 2 + flip) % 2 == 0 else (1, 0)
+        j = min((j for j in order if todo[j] or live[j]), key=lambda j: emitted[j])
+        while todo[j] and live[j] < b:
+            engines[j].submit(todo[j].pop(0), now())
+            live[j] += 1
+        start = time.perf_counter()
+        tokens, _, done = engines[j].step(now)
+        walls[j].append(time.perf_counter() - start)
+        emitted[j] += tokens
+        live[j] -= len(done)
     return walls
 
 
