@@ -34,6 +34,7 @@ def controller_accuracy(work: Path, data: Path, quick: bool = False) -> dict[str
     here, falls on both alike); the pairs alternate which engine steps first. Two models: the
     start-up profile alone, and the profile refit from every step served so far (the gate's: in a
     server it has seen the steps of the batch sizes and draft lengths it serves)."""
+    bind_serving(load_config(DEFAULT).runtime.serve_cores)  # both engines in this process, as TIDE serves
     cfg, target, drafts = default_setup(work, 3)
     eng = TideEngine(target, cfg.serve, drafts["untrained"], dtype=cfg.model.dtype, capture=False)
     off = TideEngine(target, cfg.serve, drafts["untrained"], dtype=cfg.model.dtype, capture=False)
@@ -42,6 +43,7 @@ def controller_accuracy(work: Path, data: Path, quick: bool = False) -> dict[str
     try:
         models = {"profile": eng.profile(cfg.serve.max_num_seqs)}
         models["refit"] = LatencyModel.from_json(models["profile"].to_json())
+        _lockstep((eng, off), requests(target, data, "gsm8k", "gsm8k/test.jsonl", 2, 32, "warm"), 2)  # not measured
         for v, (name, path) in enumerate(drafts.items()):
             eng.swap(path, v)
             for b in (1, 2, 4):
