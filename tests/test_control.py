@@ -22,6 +22,7 @@ from tide.control import (
     SpeculationObservation,
 )
 from tide.draft.acceptance import AcceptanceHistogram, PositionRates, RecentRates
+from tide.serve.engine import step_costs
 
 GAMMA = 3
 
@@ -173,8 +174,30 @@ def test_a_windows_step_costs_refit_decode_and_verify_steps_and_leave_prefills_o
     m = LatencyModel({(4, 4): 0.010, (4, 8): 0.012}, {}, gamma=1)
     m.observe_costs({"target": {"4,4": [2000, 40.0], "4,512": [3, 3.0]}, "draft": {"4,1": [10, 0.05]}},
                     most_tokens=8)
-    assert m.target_latency(4) == pytest.approx(0.020, rel=1e-3) and (4, 512) not in m.target
-    assert m.draft[(4, 1)] * m.scale == pytest.approx(0.005)
+    # a window calibrating an entry is one moment of the machine: all its steps go into the running mean
+    assert m.target_latency(4) == pytest.approx((16 * 0.010 + 2000 * 0.020) / 2016) and (4, 512) not in m.target
+    assert m.draft_latency(4, 1) == pytest.approx(0.005)
+    # the drafter's pass in a step with a prompt (over the prompt too) is no draft step's cost
+    worker = [[520, 4, 1, 0.300, 0.020], [8, 4, 1, 0.015, 0.004]]  # n, b, k, target s, draft s
+    assert step_costs(worker, [0.330, 0.020], most_tokens=8) == {
+        "target": {"4,520": [1, pytest.approx(0.310)], "4,8": [1, pytest.approx(0.016)]}, "draft": {"4,1": [1, 0.004]}}
+
+
+def test_the_machines_speed_moves_before_new_entries_calibrate_whatever_their_order() -> None:
+    """A window in which the machine runs 20% slower serves calibrated plain steps and the first
+    verify steps: the verify entry calibrates at the window's speed, so drafting costs what it did
+    relative to a plain step, whichever entry the window lists first."""
+    def model() -> LatencyModel:
+        m = LatencyModel({(1, 1): 0.050, (1, 2): 0.055}, {(1, 1): 0.003}, gamma=1)
+        m.observe_target(1, 1, 0.050, steps=64)  # calibrated, as profiled
+        return m
+
+    window = {"1,2": [500, 500 * 0.066], "1,1": [500, 500 * 0.060]}
+    for order in (window, dict(reversed(window.items()))):
+        m = model()
+        m.observe_costs({"target": order}, most_tokens=4)
+        assert m.scale == pytest.approx(1.2, rel=0.01)
+        assert m.target_latency(1, 2) / m.target_latency(1) == pytest.approx(1.1, rel=0.01)
 
 
 @pytest.mark.parametrize("kwargs, field_name", [

@@ -45,13 +45,14 @@ class LatencyModel:
     tokens for b sequences, both times `scale`. The start-up profile fills the tables (the prior,
     scale 1).
 
-    Serving refits it from its own steps (`observe_*`), in two parts. `scale` is how fast the machine
-    runs now against the tables: every step moves it (exponential average, `weight` per step), so a
-    trainer that starts beside serving on the same cores, or stops, slows or speeds every entry at
-    once, also those not served now (verify steps while speculation is off). Each entry's own figure
-    is calibrated by its first `calibration_steps` serving steps (their running mean, the profile
-    counting as `prior_steps` of them); after that it moves by `shape_weight` a step, and a change is
-    the machine's. The profile is a weak prior: a few steps at 64 tokens of context, at batch 1 it
+    Serving refits it from its own steps, a window at a time (`observe`), in two parts. `scale` is
+    how fast the machine runs now against the tables: every step of a calibrated entry moves it
+    (exponential average, `weight` per step), so a trainer that starts beside serving on the same
+    cores, or stops, slows or speeds every entry at once, also those not served now (verify steps
+    while speculation is off). Each entry's own figure is calibrated by the windows holding its first
+    `calibration_steps` serving steps (their running mean at the window's speed, the profile counting
+    as `prior_steps` of them); after that it moves by `shape_weight` a step, and a change is the
+    machine's. The profile is a weak prior: a few steps at 64 tokens of context, at batch 1 it
     read T(1, 4) / T(1, 1) 0.84-0.95 where serving read 0.90-0.98 with HumanEval's contexts, and at
     0.84 three drafts look free. With the entries learning only as slowly as the machine's speed,
     the scale absorbed that error for hundreds of steps (a useless draft kept on for 574 s). The
@@ -78,7 +79,7 @@ class LatencyModel:
     shape_weight: float = 0.001  # per step, of an entry against the others, once calibrated
     prior_steps: int = 16  # the serving steps a profiled entry counts as
     calibration_steps: int = 64  # an entry's first serving steps: its figure, not the machine's speed
-    seen: dict[tuple[int, int], int] = field(default_factory=dict, compare=False, repr=False)  # steps served, by entry
+    seen: dict[tuple[str, int, int], int] = field(default_factory=dict, compare=False, repr=False)  # steps, by entry
 
     def __post_init__(self) -> None:
         check(bool(self.target), "LatencyModel", "target", self.target, "at least one (batch, tokens): seconds")
@@ -149,42 +150,50 @@ class LatencyModel:
         return expected_length / self.break_even(b, k)
 
     def observe_target(self, b: int, n: int, seconds: float, steps: int = 1) -> None:
-        if (b, n) not in self.target:
-            self.target[(b, n)] = self._target(b, n)
-        self._observe(self.target, (b, n), seconds, steps)
+        self.observe([("target", (b, n), seconds, steps)])
 
     def observe_draft(self, b: int, k: int, seconds: float, steps: int = 1) -> None:
-        if (b, k) not in self.draft:
-            self.draft[(b, k)] = self._draft(b, k)
-        self._observe(self.draft, (b, k), seconds, steps)
+        self.observe([("draft", (b, k), seconds, steps)])
 
     def observe_costs(self, costs: dict[str, dict[str, list[float]]], most_tokens: int) -> None:
         """A window's steps as `tide.serve.engine.step_costs` sums them: target steps by (b, n) over at
         most `most_tokens` tokens (decode and verify; a prefill is another cost), draft passes by (b, k)."""
-        for key, (steps, seconds) in costs.get("target", {}).items():
-            b, n = cost_key(key)
-            if steps and n <= most_tokens:
-                self.observe_target(b, n, seconds / steps, int(steps))
-        for key, (steps, seconds) in costs.get("draft", {}).items():
-            if steps:
-                self.observe_draft(*cost_key(key), seconds / steps, int(steps))
+        self.observe([(part, cost_key(key), seconds / steps, int(steps))
+                      for part in ("target", "draft") for key, (steps, seconds) in costs.get(part, {}).items()
+                      if steps and (part == "draft" or cost_key(key)[1] <= most_tokens)])
 
-    def _observe(self, table: dict, key: tuple[int, int], seconds: float, steps: int) -> None:
-        """`steps` steps at `key` took `seconds` each. While the entry calibrates, it moves towards
-        seconds / scale as a running mean; then the scale moves towards seconds / entry, then the entry,
-        by `shape_weight`, towards seconds / scale. An entry first seen while serving starts from the
-        model's reading there (its neighbours') and calibrates like a profiled one: a single slow first
-        step once set T(3, 3) to 239 ms beside T(4, 4) at 90. With nothing to read (no draft entry yet)
-        the first observation is taken as it is."""
-        before = self.seen.get(key, 0)
-        self.seen[key] = before + steps
-        if table.get(key, 0.0) <= 0:
-            table[key] = seconds / self.scale
-            return
-        calibrating = min(steps, max(self.calibration_steps - before, 0))
-        table[key] += calibrating / (self.prior_steps + before + calibrating) * (seconds / self.scale - table[key])
-        self.scale += _share(self.weight, steps) * (seconds / table[key] - self.scale)
-        table[key] += _share(self.shape_weight, steps) * (seconds / self.scale - table[key])
+    def observe(self, window: list[tuple[str, tuple[int, int], float, int]]) -> None:
+        """One window's steps: (part "target" or "draft", key, seconds a step, steps). In three moves,
+        so that the entries' order does not matter: the scale follows the entries calibrated before the
+        window (the machine's speed now); entries still calibrating take the window's steps into their
+        running mean at that speed; calibrated entries then move by `shape_weight`. The scale moving
+        first matters: with entries taken in turn, a new verify entry calibrated at the speed before the
+        window's plain steps moved it, and one calibrated entry's leftover error moved the scale of all
+        (the refit read 0.64x where lockstep runs measured 0.72x, and the profile alone 0.75x).
+
+        An entry first seen while serving starts from the model's reading there (its neighbours') and
+        calibrates like a profiled one: a single slow first step once set T(3, 3) to 239 ms beside
+        T(4, 4) at 90. With nothing to read (no draft entry yet) its first steps are taken as they are."""
+        tables = {"target": self.target, "draft": self.draft}
+        calibrated = [(part, key, secs, n) for part, key, secs, n in window
+                      if self.seen.get((part, *key), 0) >= self.calibration_steps and tables[part].get(key, 0) > 0]
+        if calibrated:
+            steps = sum(n for *_, n in calibrated)
+            speed = sum(secs * n for _, _, secs, n in calibrated) / sum(tables[part][key] * n
+                                                                         for part, key, _, n in calibrated)
+            self.scale += _share(self.weight, steps) * (speed - self.scale)
+        for part, key, secs, n in window:
+            table, seen = tables[part], (part, *key)
+            if key not in table:
+                table[key] = self._target(*key) if part == "target" else self._draft(*key)
+            before = self.seen.get(seen, 0)
+            self.seen[seen] = before + n
+            if table[key] <= 0:
+                table[key] = secs / self.scale
+            elif before < self.calibration_steps:
+                table[key] += n / (self.prior_steps + before + n) * (secs / self.scale - table[key])
+            else:
+                table[key] += _share(self.shape_weight, n) * (secs / self.scale - table[key])
 
     def to_json(self) -> dict:
         return {"target": {f"{b},{n}": t for (b, n), t in sorted(self.target.items())},

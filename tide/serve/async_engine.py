@@ -117,7 +117,8 @@ class AsyncEngine(EngineControl):
         steps = len(costs)
         w = Window(t_start, t, int(s.get("generated", 0)), steps, sum(c[1] for c in costs) / steps if steps else 0.0,
                    list(s["accept_counts"]), self.version, sum(s["accept_counts"]) > 0,
-                   int(s["writer"].get("tokens", 0)), s.get("rates", {}), s.get("lengths", []), step_costs(costs, []))
+                   int(s["writer"].get("tokens", 0)), s.get("rates", {}), s.get("lengths", []),
+                   step_costs(costs, [], self.most_tokens))
         done = [RequestResult(c["request_id"], c["workload"], c["prompt_tokens"], c["output_ids"],
                               c["started"] - self._t0_wall, c["finished"] - self._t0_wall, c["accept_counts"],
                               c["draft_version"], sum(c["accept_counts"]) > 0, c["rows"])

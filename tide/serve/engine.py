@@ -147,6 +147,11 @@ class EngineControl:
     lengths: list[int]  # draft length by batch size
     draft_gemms: str = ""  # the dtype the draft's GEMMs compute in (ServeConfig.draft_dtype)
 
+    @property
+    def most_tokens(self) -> int:
+        """The most tokens a decode or verify step schedules: a step over more has a prompt in it."""
+        return (len(self.lengths) - 1) * (self.gamma + 1)
+
     def rpc(self, method: str, *args: Any) -> Any:
         raise NotImplementedError
 
@@ -305,7 +310,7 @@ class TideEngine(EngineControl):
                 t0 = time.perf_counter()
                 self.engine.step()
                 walls.append(time.perf_counter() - t0)
-            costs = step_costs(self.stats(reset=True)["step_costs"], walls)
+            costs = step_costs(self.stats(reset=True)["step_costs"], walls, self.most_tokens)
             for table, part in ((target, "target"), (draft, "draft")):
                 table.update({key: secs / count for key, (count, secs) in costs[part].items()})
         self.engine.abort_request(ids)
@@ -410,19 +415,20 @@ class TideEngine(EngineControl):
         return results, windows
 
 
-def step_costs(worker: list[list[float]], walls: list[float]) -> dict[str, dict[str, list[float]]]:
+def step_costs(worker: list[list[float]], walls: list[float], most_tokens: int) -> dict[str, dict[str, list[float]]]:
     """The latency model's observations from a run of steps: {"target": {"b,n": [steps, seconds]},
     "draft": {"b,k": [steps, seconds]}} (b sequences, n tokens scheduled, k drafted). The worker
     split each step into the target's part and the draft's; what the engine spent on the step beyond
     the worker (scheduling, output processing) is the target's too, step by step where the two lists
-    pair up, else on average."""
+    pair up, else on average. The draft's part of a step over more than `most_tokens` tokens (one
+    with a prompt in it) is left out: the drafter ran over the prompt too, 3-5 times a decode pass."""
     extra = [max(0.0, w - (c[3] + c[4])) for w, c in zip(walls, worker)] if len(walls) == len(worker) else \
         [max(0.0, sum(walls) - sum(c[3] + c[4] for c in worker)) / max(len(worker), 1)] * len(worker)
     target: dict[str, list[float]] = {}
     draft: dict[str, list[float]] = {}
     for (n, b, k, t_target, t_draft), e in zip(worker, extra):
         for table, key, secs in ((target, f"{int(b)},{int(n)}", t_target + e), (draft, f"{int(b)},{int(k)}", t_draft)):
-            if table is draft and not k:
+            if table is draft and (not k or n > most_tokens):
                 continue
             entry = table.setdefault(key, [0, 0.0])
             entry[0] += 1
@@ -450,4 +456,4 @@ class _OpenWindow:
         return Window(self.t_start, t_end, self.tokens, self.steps, self.batch_sum / max(self.steps, 1),
                       list(s["accept_counts"]), eng.version, sum(s["accept_counts"]) > 0,
                       int(s["writer"].get("tokens", 0)), s.get("rates", {}), s.get("lengths", []),
-                      step_costs(s.get("step_costs", []), walls))
+                      step_costs(s.get("step_costs", []), walls, eng.most_tokens))

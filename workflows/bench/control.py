@@ -75,13 +75,13 @@ def _accuracy_point(engines: tuple[TideEngine, TideEngine], reqs: list[Request],
     each model's prediction: the plain engine's decode steps priced at their batch sizes (a closed
     loop's tail runs smaller batches than b), drafting at the runs' rates, the prefill time kept."""
     eng, off = engines
-    most = (len(eng.lengths) - 1) * (eng.gamma + 1)  # the most tokens of a decode or verify step
+    most = eng.most_tokens
     eng.set_draft_lengths([k] * len(eng.lengths))
     rates, plain_steps, measured, prefill = PositionRates(eng.gamma), Counter[int](), [], []
     for i in range(pairs):
         walls = _lockstep(engines, reqs, b, flip=i % 2 == 1)
         stats = [e.stats(reset=True) for e in engines]
-        costs = [step_costs(st["step_costs"], w) for st, w in zip(stats, walls)]
+        costs = [step_costs(st["step_costs"], w, most) for st, w in zip(stats, walls)]
         for c in costs:
             models["refit"].observe_costs(c, most)
         rates.merge(PositionRates(eng.gamma, list(stats[0]["rates"]["tried"]), list(stats[0]["rates"]["accepted"])))
