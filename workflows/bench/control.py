@@ -80,17 +80,17 @@ def _accuracy_point(engines: tuple[TideEngine, TideEngine], reqs: list[Request],
     rates, plain_steps, measured, prefill = PositionRates(eng.gamma), Counter[int](), [], []
     for i in range(pairs):
         walls = _lockstep(engines, reqs, b, flip=i % 2 == 1)
-        stats = [e.stats(reset=True) for e in engines]
-        costs = [step_costs(st["step_costs"], w, most) for st, w in zip(stats, walls)]
-        for c in costs:
-            models["refit"].observe_costs(c, most)
-        rates.merge(PositionRates(eng.gamma, list(stats[0]["rates"]["tried"]), list(stats[0]["rates"]["accepted"])))
-        for key, (n, _) in costs[1]["target"].items():
+        on, plain = (e.stats(reset=True) for e in engines)
+        # the refit sees both engines' steps as one window: they ran at the same moments
+        models["refit"].observe_costs(step_costs(on["step_costs"] + plain["step_costs"], walls[0] + walls[1], most),
+                                      most)
+        rates.merge(PositionRates(eng.gamma, list(on["rates"]["tried"]), list(on["rates"]["accepted"])))
+        plain_costs = step_costs(plain["step_costs"], walls[1], most)["target"]
+        for key, (n, _) in plain_costs.items():
             if cost_key(key)[1] <= most:
                 plain_steps[cost_key(key)[0]] += n
         measured.append(sum(walls[1]) / sum(walls[0]))  # equal tokens: greedy output is the same
-        prefill.append(sum(s for key, (_, s) in costs[1]["target"].items() if cost_key(key)[1] > most)
-                       / sum(walls[1]))
+        prefill.append(sum(s for key, (_, s) in plain_costs.items() if cost_key(key)[1] > most) / sum(walls[1]))
     m, length, share = statistics.fmean(measured), rates.expected_length(k), statistics.fmean(prefill)
     decode = {name: length * sum(n * lm.target_latency(bb) for bb, n in plain_steps.items())
               / sum(n * lm.step_cost(bb, k) for bb, n in plain_steps.items()) for name, lm in models.items()}
