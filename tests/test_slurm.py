@@ -550,8 +550,9 @@ def test_a_restarted_trainer_resumes_from_the_newest_draft(launched: tuple[Path,
     assert p.returncode == 0, p.stderr[-4000:]
     r = json.loads((tmp_path / "cycle.json").read_text())
     assert r["version"] == newest + 1 and reg.meta(newest + 1)["base_version"] == newest
-    start = reg.meta(newest)["al_after"]  # far above an untrained head's 1.0 on the same data
-    assert r["al_before"] > 1 + (start - 1) / 2, (r["al_before"], start)
+    # a fresh head scores 1.0 on the same data (v1's al_before). The newest draft's own al_after is no
+    # bar: it was scored on another held-out set of a few hundred tokens (2.0-3.7 in runs of this test)
+    assert r["al_before"] > 1.5 and reg.meta(1)["al_before"] < 1.1, (r["al_before"], reg.meta(1)["al_before"])
 
 
 def test_the_server_options_reach_every_rank_of_the_job() -> None:

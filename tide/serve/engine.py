@@ -421,7 +421,7 @@ def step_costs(worker: list[list[float]], walls: list[float], most_tokens: int) 
     split each step into the target's part and the draft's; what the engine spent on the step beyond
     the worker (scheduling, output processing) is the target's too, step by step where the two lists
     pair up, else on average. The draft's part of a step over more than `most_tokens` tokens (one
-    with a prompt in it) is left out: the drafter ran over the prompt too, 3-5 times a decode pass."""
+    with a prompt in it) is left out: the drafter ran over the prompt too, up to 5 times a decode pass."""
     extra = [max(0.0, w - (c[3] + c[4])) for w, c in zip(walls, worker)] if len(walls) == len(worker) else \
         [max(0.0, sum(walls) - sum(c[3] + c[4] for c in worker)) / max(len(worker), 1)] * len(worker)
     target: dict[str, list[float]] = {}
