@@ -228,7 +228,7 @@ def _adaptive_row(cfg: Any, eng: TideEngine, model: LatencyModel, reqs: list[Req
     def adapt(w: Any) -> None:  # what the coordinator does with each window: refit, then decide
         steps[0] += w.steps
         if w.costs:
-            gate.model.observe_costs(w.costs, cfg.serve.max_num_seqs * (eng.gamma + 1))
+            gate.model.observe_costs(w.costs, eng.most_tokens)
         if w.rates:
             live.add(w.position_rates())
         d = gate.decide(SpeculationObservation(steps[0], time.monotonic(), max(w.mean_batch, 1.0), live.merged()))
