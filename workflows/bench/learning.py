@@ -57,9 +57,10 @@ def _train_cfg() -> TrainConfig:
 
 
 # draft-learning trains with the draft-recipe curve's best recipe (16 epochs at lr 1e-3, held-out early
-# stopping) on at most 64k training rows: what a draft learns from that much of one domain
+# stopping) on the first 64k training rows of the curve's 400 questions (its held-out set: 15% of them):
+# what a draft learns from that much of one domain
 RECIPE = TrainConfig(lr=1e-3, epochs=16.0, eval_every=100, patience=2, gamma=3)
-RECIPE_ROWS = 64_000
+RECIPE_ROWS, RECIPE_QUESTIONS = 64_000, 400
 
 
 def _cycle(target: Target, store: Path, drafts: Path, cfg: TrainConfig, train_rows: int = 0):
@@ -82,7 +83,7 @@ def _recompute_and_train(target: Target, work: Path, reqs: list, cfg: TrainConfi
 
 def draft_learning(work: Path, data: Path, quick: bool = False) -> dict[str, Any]:
     target = smollm2()
-    reqs = answers(target, work, data, 80 if quick else 200)
+    reqs = answers(target, work, data, 80 if quick else RECIPE_QUESTIONS)
     recompute_s, r = _recompute_and_train(target, work, reqs, RECIPE, RECIPE_ROWS)
     return {"al_before": r.al_before, "al_after": r.al_after, "gamma": RECIPE.gamma,
             "recipe": dataclasses.asdict(RECIPE),
@@ -143,7 +144,7 @@ def draft_recipe(work: Path, data: Path, quick: bool = False) -> dict[str, Any]:
     from tide.train import DraftTrainer
 
     target = smollm2()
-    store = _captured(target, work, data, 120 if quick else 400)
+    store = _captured(target, work, data, 120 if quick else RECIPE_QUESTIONS)
     base = dataclasses.replace(load_config(DEFAULT).train, gamma=3, epochs=4.0, eval_every=100, patience=2)
     sizes = (4000, 8000) if quick else (8000, 16000, 32000, 64000)
     at = sizes[-2]
@@ -180,4 +181,4 @@ def draft_recipe(work: Path, data: Path, quick: bool = False) -> dict[str, Any]:
         ("epochs-8-at-max", {"epochs": 8.0}), ("epochs-8-lr-1e-3-at-max", {"epochs": 8.0, "lr": 1e-3}),
         ("epochs-16-lr-1e-3-at-max", {"epochs": 16.0, "lr": 1e-3})]]
     return {"gamma": 3, "defaults": dataclasses.asdict(base), "curve": curve, "sweeps_at_rows": at, "sweeps": sweeps,
-            "questions": 120 if quick else 400}
+            "questions": 120 if quick else RECIPE_QUESTIONS}
