@@ -106,9 +106,12 @@ def never_worse(work: Path, data: Path, quick: bool = False) -> dict[str, Any]:
     """A useless draft (untrained, no trainer) under TIDE's gate against plain vLLM (no speculative
     config): `ratio_vs_nospec` = TIDE tokens/s over plain, in alternating pairs on the same prompts.
     The gate keeps its state from pair to pair, as a running server would; the first pair includes
-    the seconds before the untrained draft is turned off."""
+    the seconds before the untrained draft is turned off. Both engines serve in this process on core
+    0, as TIDE serves: the coordinator's work between steps falls on the serving core, and no second
+    engine-core process shares it."""
     from tide.runtime.coordinator import Coordinator
 
+    bind_serving(load_config(DEFAULT).runtime.serve_cores)
     cfg, target, drafts = default_setup(work, load_config(DEFAULT).serve.num_speculative_tokens)
     reqs = requests(target, data, "humaneval", "humaneval/HumanEval.jsonl.gz", 8 if quick else 16,
                     cfg.workload.max_tokens, "nw")
