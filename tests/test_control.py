@@ -539,21 +539,36 @@ def test_training_failure_retries_with_backoff_and_stale_results_are_ignored() -
     assert not gate.collecting and gate.warming_up and gate.next_cycle().action is CollectAction.WAIT
 
 
-def test_patience_holds_the_live_draft_and_trains_again_on_more_rows() -> None:
-    """patience 2: a cycle without min_gain keeps the live draft and the regime, which trains again
-    after n_threshold more rows; a gain resets the count; two misses in a row end the regime."""
+def test_patience_holds_the_live_draft_and_trains_again_on_new_rows() -> None:
+    """patience 2: a cycle without min_gain keeps the live draft and the regime, which trains again as
+    soon as rows the cycle did not see are stored; a miss counts only n_threshold rows after the last
+    counted one, so the regime ends after two counted misses in a row, not after two cycles."""
     gate = CollectionGate(CollectConfig(n_init=1, n_threshold=100, patience=2))
     assert gate.collect_now("start").action is CollectAction.COLLECT
     assert gate.on_stored(100).action is CollectAction.TRAIN
     hold = gate.on_trained(1, 1.402, 1.40)  # under min_gain over the live draft and min_rise over its start
     assert hold.action is CollectAction.HOLD and "1 of 2 in a row" in hold.reason and gate.collecting
-    assert gate.on_stored(99).action is CollectAction.WAIT  # not at once: more rows first
-    assert gate.on_stored(1).action is CollectAction.TRAIN
-    assert gate.on_trained(2, 1.50, 1.40).action is CollectAction.DEPLOY and gate.misses == 0
-    assert gate.next_cycle().action is CollectAction.TRAIN
-    assert gate.on_trained(3, 1.50, 1.50).action is CollectAction.HOLD
+    assert gate.on_stored(0).action is CollectAction.WAIT  # no row it has not seen
+    assert gate.on_stored(1).action is CollectAction.TRAIN  # one is enough: the trainer does not wait
+    hold = gate.on_trained(2, 1.40, 1.40)  # 1 row beyond the counted miss: not a second one
+    assert hold.action is CollectAction.HOLD and "1 of 2" in hold.reason and "after 99 more rows" in hold.reason
+    assert gate.on_stored(50).action is CollectAction.TRAIN
+    assert gate.on_trained(3, 1.50, 1.40).action is CollectAction.DEPLOY and gate.misses == 0
+    assert gate.next_cycle().action is CollectAction.TRAIN  # on 151 rows
+    assert gate.on_trained(4, 1.50, 1.50).action is CollectAction.HOLD
+    assert gate.on_stored(60).action is CollectAction.TRAIN  # 211 rows: 60 beyond the counted miss
+    assert gate.on_trained(5, 1.49, 1.50).action is CollectAction.HOLD
+    assert gate.on_stored(40).action is CollectAction.TRAIN  # 251: 100 beyond it
+    assert gate.on_trained(6, 1.49, 1.50).action is CollectAction.REJECT and not gate.collecting
+
+
+def test_rows_stored_while_a_cycle_trains_start_the_next_at_once_after_a_hold() -> None:
+    gate = CollectionGate(CollectConfig(n_init=1, n_threshold=100, patience=3))
+    gate.collect_now("start")
     assert gate.on_stored(100).action is CollectAction.TRAIN
-    assert gate.on_trained(4, 1.49, 1.50).action is CollectAction.REJECT and not gate.collecting
+    assert gate.on_stored(30).action is CollectAction.WAIT  # stored while the cycle trains
+    assert gate.on_trained(1, 1.40, 1.40).action is CollectAction.HOLD
+    assert gate.on_stored(0).action is CollectAction.TRAIN  # what the coordinator asks after a HOLD
 
 
 def test_a_shift_during_a_regime_starts_a_new_one() -> None:

@@ -323,6 +323,28 @@ def test_a_chain_starts_each_cycle_from_the_newest_draft_and_deploys_against_the
     engine.writer.close()
 
 
+def test_a_hold_trains_at_once_on_rows_stored_while_the_missed_cycle_trained(tmp_path: Path) -> None:
+    """patience 2: a miss HOLDs the live draft, and the trainer does not wait for n_threshold more
+    rows: the chunk stored while the cycle trained starts the next cycle with the HOLD."""
+    cfg = config("adaptive")
+    cfg = dataclasses.replace(cfg, control=dataclasses.replace(
+        cfg.control, collect=dataclasses.replace(cfg.control.collect, patience=2)))
+    engine, transport = FakeEngine(tmp_path, gamma=1), ListTransport()
+    coord = Coordinator(cfg, engine, transport, trainer_ranks=[1], drafts_root=str(tmp_path))
+    coord.start()
+    engine.serve_chunks(3)
+    coord.on_window(window(engine, first=0.5))
+    (first,) = trains(transport)
+    engine.serve_chunks(1)  # lands while the cycle trains
+    coord.on_window(window(engine, first=0.5))
+    transport.inbox.append((1, ready(1, 1, 1.502, 1.5)))  # no gain, no rise: a miss
+    coord.between_steps(engine, 1.0)
+    assert [e.kind for e in coord.events[-2:]] == ["hold", "train"]
+    second = trains(transport)[1]
+    assert second.since_ns == first.since_ns and engine.capture
+    engine.writer.close()
+
+
 def test_after_a_plateau_speculation_off_resumes_the_regime_with_all_its_rows(tmp_path: Path) -> None:
     """Speculation off shows no shift: collection restarted because the live draft does not pay goes on
     with the last regime. The next cycle waits for `n_threshold` new rows and trains on all of them

@@ -37,8 +37,9 @@ class CollectConfig:
     are stored too. `min_gain`: a cycle must beat the live draft's held-out AL (the same data) by
     this much to be deployed; `patience` cycles in a row that do not end the regime. A held-out set
     of a few thousand drafting steps moves by ~0.02 AL between cycles, so with patience 1 a regime
-    that still learns can end on one unlucky evaluation; with 2, the cycle after a miss trains on
-    `n_threshold` more rows first. `min_rise`: a cycle that does not beat the live draft by
+    that still learns can end on one unlucky evaluation; with 2, a second miss ends the regime only
+    once its cycle saw `n_threshold` more rows than the first (the cycles between train on each new
+    chunk as it lands). `min_rise`: a cycle that does not beat the live draft by
     `min_gain` but beats the draft it started from by this much is still learning, not a miss: the
     next cycle starts at once from it (a chain of warm-started cycles, each a few epochs, evaluated on
     the same held-out requests, so the rise is paired, not the ~0.02 between cycles' data).
@@ -51,7 +52,7 @@ class CollectConfig:
     n_init: int = 32  # requests
     n_threshold: int = 32_768  # stored tokens (rows) since collection started
     min_gain: float = 0.02  # AL units (the trainer's held-out walk)
-    patience: int = 1  # cycles in a row without that gain that end the regime (the first one: 1)
+    patience: int = 1  # misses in a row, n_threshold rows apart, that end the regime (the first one: 1)
     min_rise: float = 0.005  # AL units over the cycle's own start draft: still learning, train on from it
 
     def __post_init__(self) -> None:

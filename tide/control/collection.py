@@ -18,18 +18,22 @@ A cycle that does not beat the live draft by `min_gain` keeps the live draft. If
 beats the one it started from by `min_rise` (the same held-out requests: more epochs still raise
 held-out AL), CHAIN: the next cycle starts at once from that draft, on every row of the regime, so
 the trainer works while the draft learns and the epochs add up until one beats the live draft.
-Otherwise it is a miss; while fewer than `patience` misses came in a row, HOLD: the regime collects
-`n_threshold` more rows and trains again on all of them. The `patience`-th in a row (a plateau)
-ends the regime: REJECT, collection stops, and the gate re-learns its baseline from the next
-`n_init` requests, so the draft now serving is what a later shift is measured against.
+Otherwise it is a miss, and HOLD: the live draft stays, and the next cycle trains on all of the
+regime's rows as soon as rows the missed cycle did not see are stored (the next chunk, or at once if
+one landed while it trained): the trainer never waits while rows it has not trained on wait. A miss
+counts towards `patience` only once its cycle saw `n_threshold` rows more than the last counted
+miss's (the first miss of a streak always counts): a plateau is `patience` counted misses in a row,
+so no gain over `(patience - 1) * n_threshold` more rows, whatever number of cycles the trainer
+ran on them. It ends the regime: REJECT, collection stops, and the gate re-learns its baseline from
+the next `n_init` requests, so the draft now serving is what a later shift is measured against.
 
 A failed cycle (the trainer died or gave up) keeps the regime collecting and retries after
 `n_threshold` more rows, twice as many after each further failure in a row (at most MAX_BACKOFF
 times as many): a trainer that fails at once on every cycle does not spin.
 
 States: IDLE -(shift)-> COLLECTING -(n_threshold stored)-> TRAINING -(better, or still rising)-> COLLECTING
--> TRAINING ... -(no gain, patience left)-> COLLECTING ... -(plateau)-> IDLE. Collection stays on while
-TRAINING; `collecting` says whether to capture.
+-> TRAINING ... -(no gain, patience left)-> COLLECTING -(new rows)-> TRAINING ... -(plateau)-> IDLE.
+Collection stays on while TRAINING; `collecting` says whether to capture.
 """
 
 from __future__ import annotations
@@ -66,11 +70,13 @@ class CollectionGate:
     def __init__(self, cfg: CollectConfig) -> None:
         self.cfg = cfg
         self.state = CollectState.IDLE
-        self.stored_tokens = 0  # since collection started (since the last HOLD)
-        self.misses = 0  # cycles in a row without min_gain
+        self.stored_tokens = 0  # since collection started
+        self.trained_tokens = 0  # stored_tokens when the last cycle started: the rows it trained on
+        self.misses = 0  # counted misses in a row (cycles without min_gain, n_threshold rows apart)
+        self.missed_at = 0  # trained_tokens of the last counted miss
         self.shifted = ""  # a shift seen while a cycle trained: why (a new regime after its answer)
         self.failures = 0  # failed cycles in a row
-        self.retry_at = 0  # stored_tokens before the next TRAIN after a failure
+        self.train_at = 0  # stored_tokens before the next TRAIN after a failure or a HOLD
         self._rebaseline()
 
     @property
@@ -121,8 +127,9 @@ class CollectionGate:
     def _start(self, why: str) -> Decision[CollectAction]:
         """A regime from now: the rows stored from here on, none from before (a shift during a
         regime starts a new one, so its cycles learn the new workload only)."""
-        self.state, self.stored_tokens, self.misses, self.shifted = CollectState.COLLECTING, 0, 0, ""
-        self.retry_at = self.backoff() if self.failures else 0
+        self.state, self.stored_tokens, self.trained_tokens, self.misses, self.shifted = \
+            CollectState.COLLECTING, 0, 0, 0, ""
+        self.train_at = self.backoff() if self.failures else 0
         return Decision(CollectAction.COLLECT, why)
 
     def backoff(self) -> int:
@@ -141,16 +148,20 @@ class CollectionGate:
         return self._start(why)
 
     def on_stored(self, tokens: int) -> Decision[CollectAction]:
-        """Count tokens written to the store; TRAIN once when `n_threshold` are stored since COLLECT."""
+        """Count tokens written to the store; TRAIN once when `n_threshold` are stored since COLLECT
+        (after a HOLD: once any the last cycle did not see are; `on_stored(0)` checks without new ones)."""
         if self.state is CollectState.IDLE:
             return Decision(CollectAction.WAIT, f"{tokens} tokens stored while idle: not counted")
         self.stored_tokens += tokens
-        need = max(self.cfg.n_threshold, self.retry_at)
+        need = max(self.cfg.n_threshold, self.train_at)
         progress = f"{self.stored_tokens}/{need} tokens stored since collection started"
         if self.state is CollectState.TRAINING or self.stored_tokens < need:
             return Decision(CollectAction.WAIT, f"{self.state.value}: {progress}")
-        self.state = CollectState.TRAINING
-        return Decision(CollectAction.TRAIN, progress)
+        return self._train(progress)
+
+    def _train(self, why: str) -> Decision[CollectAction]:
+        self.state, self.trained_tokens = CollectState.TRAINING, self.stored_tokens
+        return Decision(CollectAction.TRAIN, why)
 
     def on_trained(self, version: int, new_al: float, live_al: float,
                    base_al: float | None = None) -> Decision[CollectAction]:
@@ -166,7 +177,7 @@ class CollectionGate:
         if self.state is not CollectState.TRAINING:
             return Decision(CollectAction.WAIT, f"result for v{version} ignored: {self.state.value}, not training",
                             version)
-        self.failures, self.retry_at = 0, 0
+        self.failures, self.train_at = 0, 0
         figures = f"eval AL {new_al:.2f} {{}} live draft {live_al:.2f} + {self.cfg.min_gain:g} on the same data"
         if new_al > live_al + self.cfg.min_gain:
             self.state, self.misses = CollectState.COLLECTING, 0
@@ -178,11 +189,14 @@ class CollectionGate:
             self.state = CollectState.COLLECTING
             return Decision(CollectAction.CHAIN, figures.format("<=") + f", but {new_al:.3f} > {base_al:.3f} + "
                             f"{self.cfg.min_rise:g} from its start: still learning, train on from v{version}", version)
-        self.misses += 1
+        if self.misses == 0 or self.trained_tokens - self.missed_at >= self.cfg.n_threshold:
+            self.misses, self.missed_at = self.misses + 1, self.trained_tokens  # a counted miss
         if self.misses < self.cfg.patience:
-            self.state, self.stored_tokens = CollectState.COLLECTING, 0
+            self.state, self.train_at = CollectState.COLLECTING, self.trained_tokens + 1
+            left = self.missed_at + self.cfg.n_threshold - self.trained_tokens
             return Decision(CollectAction.HOLD, figures.format("<=") + f" ({self.misses} of {self.cfg.patience} in a "
-                            f"row): keep the live draft, train again after {self.cfg.n_threshold} more rows", version)
+                            f"row; the next counts after {left} more rows): keep the live draft, train again on "
+                            "the next rows", version)
         self.state, self.stored_tokens, self.misses = CollectState.IDLE, 0, 0
         self._rebaseline()
         return Decision(CollectAction.REJECT, figures.format("<=") + ": a plateau; keep the live draft, stop "
@@ -195,15 +209,14 @@ class CollectionGate:
             return Decision(CollectAction.WAIT, f"no regime to train on: {self.state.value}")
         if self.shifted:  # the deployed draft learnt the old workload: collect the new one first
             return self._start(f"{self.shifted} during the cycle")
-        self.state = CollectState.TRAINING
-        return Decision(CollectAction.TRAIN, f"the last cycle gained: train again on the regime's "
-                                             f"{self.stored_tokens} rows and whatever arrived since")
+        return self._train(f"the last cycle gained: train again on the regime's {self.stored_tokens} rows and "
+                           "whatever arrived since")
 
     def on_training_failed(self, why: str) -> Decision[CollectAction]:
         """The trainer died or gave up: keep collecting; TRAIN again after `backoff()` more rows."""
         if self.state is not CollectState.TRAINING:
             return Decision(CollectAction.WAIT, f"training failure ignored ({why}): {self.state.value}")
         self.state, self.failures = CollectState.COLLECTING, self.failures + 1
-        self.retry_at = self.stored_tokens + self.backoff()
+        self.train_at = self.stored_tokens + self.backoff()
         return Decision(CollectAction.WAIT, f"training failed ({why}; {self.failures} in a row): still collecting, "
                                             f"will retry after {self.backoff()} more rows")

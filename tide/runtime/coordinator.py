@@ -153,6 +153,7 @@ class Coordinator:
             self._apply(self.collect.next_cycle())  # the regime trains on while a cycle gains
         elif d.action is CollectAction.HOLD:  # the chain, if any, goes on from its newest draft
             self.record("hold", d.reason, d.version)
+            self._apply(self.collect.on_stored(0))  # rows stored while the cycle trained: train on them now
         elif d.action is CollectAction.REJECT:
             self._chain = None
             self._sync_capture()
