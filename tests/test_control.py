@@ -288,6 +288,18 @@ def test_gate_comes_back_on_from_a_held_out_walk() -> None:
     assert d.action is SpecAction.ENABLE and gate.lengths == [0, 1] and "held-out rates [0.25]" in d.reason
 
 
+def test_probes_come_rarer_while_the_lengths_stand_and_often_again_after_a_change() -> None:
+    gate = SpeculationGate(SpeculationConfig(probe_every=32, probe_max=256, min_dwell_steps=0, min_dwell_s=0),
+                           flat(), max_batch=1)
+    assert [gate.probe_gap(s) for s in (0, 63, 64, 127, 128, 255, 256, 10_000)] == [32, 32, 64, 64, 128, 128,
+                                                                                   256, 256]
+    assert gate.decide(obs(5000, live=rates(0.5, 0.1, 0.1))).action is SpecAction.RESIZE  # to k1
+    assert gate.probe_gap(5000) == 32 and gate.probe_gap(5064) == 64
+    assert SpeculationGate(SpeculationConfig(probe_every=0), flat(), max_batch=1).probe_gap(10_000) == 0
+    with pytest.raises(ValueError, match="probe_max"):
+        SpeculationConfig(probe_every=64, probe_max=32)
+
+
 def test_draft_lengths_depend_on_batch() -> None:
     """Linear T: rates of 0.5 pay at batch 1-4 but not at 32, where verifying costs too much."""
     gate = SpeculationGate(NO_DWELL, linear(), max_batch=32)

@@ -387,6 +387,19 @@ def test_the_gate_sets_the_draft_lengths_from_the_live_rates(tmp_path: Path) -> 
     engine.writer.close()
 
 
+def test_the_engine_probes_rarer_while_the_draft_lengths_stand(tmp_path: Path) -> None:
+    engine, transport = FakeEngine(tmp_path), ListTransport()
+    cfg = config("adaptive")
+    coord = Coordinator(cfg, engine, transport, trainer_ranks=[1], drafts_root=str(tmp_path))
+    coord.start()
+    every = cfg.control.speculation.probe_every
+    assert engine.probe_every == every
+    for _ in range(4):
+        coord.on_window(window(engine, first=0.9, steps=every))  # a draft that pays: the lengths stand
+    assert engine.lengths == [0, 3, 3, 3, 3] and engine.probe_every == 4 * every
+    engine.writer.close()
+
+
 def test_a_draft_turned_off_by_live_steps_stays_off_whatever_its_held_out_walk_said(tmp_path: Path) -> None:
     """After a shift the live steps turn the draft off; its held-out walk, from before the shift, must
     not turn it on again a window later (the oscillation of a replay's translation phase)."""

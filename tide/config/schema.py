@@ -102,9 +102,12 @@ class SpeculationConfig:
     steps, not after 256 slow ones), and at any time a length whose every choice loses even with
     rates `z` errors better is turned off (a cheap useless draft would otherwise cost its few % for
     ever). No change within `min_dwell_steps` engine steps AND `min_dwell_s` seconds of the last one.
-    While drafting, every `probe_every`-th engine step is a plain one (0: never), so that the latency
-    model measures T(b, b) beside the verify steps it weighs against it; at 32 that costs ~1% of the
-    tokens a good draft adds.
+    While drafting, a plain engine step now and then (a probe) lets the latency model measure T(b, b)
+    beside the verify steps it weighs against it: every `probe_every`-th step (0: never) after the
+    draft lengths change, the gap doubling as they stand, up to `probe_max`
+    (`SpeculationGate.probe_gap`). A probe gives up what the draft would have added in that step (at a
+    fixed 32 ~0.5% of batch-4 throughput with a 1.16x draft, docs/BENCHMARKS.md adaptive-k), while
+    T(b, b) drifts only with the machine's speed, which every calibrated step tracks.
     """
 
     margin_off: float = 0.05
@@ -117,6 +120,7 @@ class SpeculationConfig:
     min_dwell_s: float = 2.0
     start_enabled: bool = True  # speculate from the start: live acceptance can only be measured while on
     probe_every: int = 32
+    probe_max: int = 1024
 
     def __post_init__(self) -> None:
         check(0 <= self.margin_off < 1, "SpeculationConfig", "margin_off", self.margin_off, "in [0, 1)")
@@ -129,6 +133,8 @@ class SpeculationConfig:
         check(self.min_dwell_steps >= 0, "SpeculationConfig", "min_dwell_steps", self.min_dwell_steps, ">= 0")
         check(self.min_dwell_s >= 0, "SpeculationConfig", "min_dwell_s", self.min_dwell_s, ">= 0")
         check(self.probe_every >= 0, "SpeculationConfig", "probe_every", self.probe_every, ">= 0 (0: no probes)")
+        check(self.probe_max >= self.probe_every, "SpeculationConfig", "probe_max", self.probe_max,
+              f">= probe_every ({self.probe_every})")
 
 
 @dataclass(frozen=True)

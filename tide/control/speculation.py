@@ -270,6 +270,14 @@ class SpeculationGate:
         """Speculating at some batch size."""
         return any(self.lengths[1:])
 
+    def probe_gap(self, step: int) -> int:
+        """Engine steps between two probes now (0: no probes): `probe_every` after the lengths change,
+        twice that once they have stood for twice that, and so on up to `probe_max`."""
+        gap, since = self.cfg.probe_every, step - self._since[0]
+        while gap and 2 * gap <= min(since, self.cfg.probe_max):
+            gap *= 2
+        return gap
+
     def speedups(self, b: float, rates: PositionRates, shift: float = 0.0) -> list[float]:
         """Predicted speedup at batch b of each draft length 0..K (rates moved by `shift` std errors)."""
         ks = range(1, self.model.gamma + 1)

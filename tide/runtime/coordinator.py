@@ -176,7 +176,7 @@ class Coordinator:
             if fixed is None:  # clock: serving_starts
                 self.gate = SpeculationGate(self.cfg.control.speculation, self.model, self.cfg.serve.max_num_seqs)
                 self.engine.set_draft_lengths(self.gate.lengths)
-                self.engine.set_probe(self.cfg.control.speculation.probe_every)
+                self.engine.set_probe(self.gate.probe_gap(self._steps))
         if fixed is not None and self.engine is not None:
             self.engine.set_draft_lengths(fixed)
         if not self.cfg.control.learns or not self.trainer_ranks:  # nothing would learn from what is captured
@@ -449,6 +449,7 @@ class Coordinator:
                 self._estimate = None  # them (a shift): off until a cycle or a deploy brings fresh evidence
             kind = {SpecAction.ENABLE: "spec-on", SpecAction.DISABLE: "spec-off"}.get(d.action, "draft-length")
             self.record(kind, d.reason, self.engine.version, lengths=list(self.gate.lengths))
+        self.engine.set_probe(self.gate.probe_gap(self._steps))
         if self.gate.length(w.mean_batch) == 0:
             self._keep_learning()
 

@@ -145,6 +145,7 @@ class EngineControl:
     version: int  # the draft serving
     speculate: bool
     lengths: list[int]  # draft length by batch size
+    probe_every: int = 0  # steps between probes now (0: none)
     draft_gemms: str = ""  # the dtype the draft's GEMMs compute in (ServeConfig.draft_dtype)
 
     @property
@@ -167,8 +168,8 @@ class EngineControl:
     def set_probe(self, every: int) -> None:
         """While drafting, make every `every`-th step a plain one (0: never): the latency model then sees
         plain steps beside the verify steps it prices against them."""
-        if self.speculative:
-            self.rpc("tide_set_probe", int(every))
+        if self.speculative and every != self.probe_every:
+            self.probe_every = self.rpc("tide_set_probe", int(every))
 
     def set_capture(self, on: bool) -> None:
         if self.speculative:

@@ -275,6 +275,7 @@ def _adaptive_row(cfg: Any, eng: TideEngine, model: LatencyModel, reqs: list[Req
         if d.action in (SpecAction.ENABLE, SpecAction.DISABLE):  # requests spanning it draft from a stale KV
             live.clear()
         eng.set_draft_lengths(gate.lengths)
+        eng.set_probe(gate.probe_gap(steps[0]))
 
     order = ["adaptive", "k1", "k2", "k3"]
     rates = {name: PositionRates(eng.gamma) for name in order}  # what each setting's steps accepted
@@ -283,7 +284,7 @@ def _adaptive_row(cfg: Any, eng: TideEngine, model: LatencyModel, reqs: list[Req
     def run(name: str) -> float:
         if name == "adaptive":  # with the coordinator's probes
             eng.set_draft_lengths(gate.lengths)
-            eng.set_probe(cfg.control.speculation.probe_every)
+            eng.set_probe(gate.probe_gap(steps[0]))
             served = serve_closed_loop(eng, reqs, b, name, on_window=adapt, window_s=2.0)
         else:
             eng.set_probe(0)
