@@ -252,6 +252,9 @@ def test_gate_picks_the_draft_length_that_pays_most() -> None:
     assert d.action is SpecAction.RESIZE and gate.lengths == [0, 1] and "k1 1.38x" in d.reason
     assert gate.decide(obs(3, live=rates(0.9, 0.9, 0.9))).action is SpecAction.RESIZE and gate.lengths == [0, 3]
     assert gate.decide(obs(4, live=rates(0.02, 0.0, 0.0))).action is SpecAction.DISABLE
+    near = SpeculationGate(NO_DWELL, flat(), max_batch=1)
+    d = near.decide(obs(1, live=rates(0.4, 0.27, 0.1)))  # k1 1.29x, k2 1.29x, k3 1.21x
+    assert d.action is SpecAction.RESIZE and near.lengths == [0, 1]  # the shorter of two that pay alike
 
 
 def test_gate_waits_for_enough_steps() -> None:

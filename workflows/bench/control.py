@@ -254,7 +254,7 @@ def adaptive_k(work: Path, data: Path, quick: bool = False) -> dict[str, Any]:
         model = eng.profile(cfg.serve.max_num_seqs)
         for b in (1, 4):
             reqs = requests(target, data, "gsm8k", "gsm8k/test.jsonl", 2 * b, 64 if quick else 128, f"ak{b}")
-            rows.append(_adaptive_row(cfg, eng, model, reqs, b, 2 if quick else 3))
+            rows.append(_adaptive_row(cfg, eng, model, reqs, b, 2 if quick else 5))
     finally:
         eng.close()
     return {"rows": rows}
