@@ -243,8 +243,8 @@ def _lockstep(engines: tuple[TideEngine, TideEngine], reqs: list[Request], b: in
 
 def adaptive_k(work: Path, data: Path, quick: bool = False) -> dict[str, Any]:
     """The base draft with the gate choosing k per step against each fixed k (1, 2, 3), at batch 1 and
-    4, in rounds that alternate the order; the gate is warmed up (its rates and refit latencies) on one
-    unmeasured run first, as a server that has been running a while."""
+    4, in rounds that alternate the order; the gate is warmed up (its rates and refit latencies) on
+    unmeasured runs first, until its rates hold `min_steps`, as a server that has been running a while."""
     cfg, target, drafts = default_setup(work, 3)
     if "base" not in drafts:
         raise ValueError("adaptive-k: needs the base draft (python -m workflows.base_draft)")
@@ -294,7 +294,10 @@ def _adaptive_row(cfg: Any, eng: TideEngine, model: LatencyModel, reqs: list[Req
         batch[name].append(served.batch)
         return served.tokens_per_s
 
-    run("adaptive")  # warm-up: the gate learns the rates (and the engine's caches warm)
+    for _ in range(4):  # warm-up: the gate learns the rates (and the engine's caches warm) until it
+        run("adaptive")  # decides on full evidence (batch 1 drafts ~190 steps a run, min_steps is 256)
+        if live.merged().steps >= cfg.control.speculation.min_steps:
+            break
     rates["adaptive"], batch["adaptive"] = PositionRates(eng.gamma), []
     runs: dict[str, list[float]] = {name: [] for name in order}
     for r in range(rounds):
@@ -313,6 +316,7 @@ def _adaptive_row(cfg: Any, eng: TideEngine, model: LatencyModel, reqs: list[Req
            "mean_batch": {name: statistics.fmean(v) for name, v in batch.items()}, "predicted_speedup": predicted,
            "model": gate.model.to_json(),
            "adaptive_over_best_fixed": means["adaptive"] / means[best],
+           "by_round_over_best_fixed": [a / f for a, f in zip(runs["adaptive"], runs[best])],
            "adaptive_over_default": means["adaptive"] / means[default]}
     print(f"b={b}: " + ", ".join(f"{k} {v:.1f}" for k, v in means.items()) +
           f" tok/s; adaptive/best fixed ({best}) {row['adaptive_over_best_fixed']:.3f}; the gate's model predicts " +
