@@ -244,7 +244,11 @@ def _lockstep(engines: tuple[TideEngine, TideEngine], reqs: list[Request], b: in
 def adaptive_k(work: Path, data: Path, quick: bool = False) -> dict[str, Any]:
     """The base draft with the gate choosing k per step against each fixed k (1, 2, 3), at batch 1 and
     4, in rounds that alternate the order; the gate is warmed up (its rates and refit latencies) on
-    unmeasured runs first, until its rates hold `min_steps`, as a server that has been running a while."""
+    unmeasured runs first, until its rates hold `min_steps`, as a server that has been running a while.
+    The engine serves in this process on core 0, as TIDE serves (and as never-worse and off-cost
+    do): with vLLM's engine-core process busy-waiting beside a worker process, the bench's own work
+    between steps (the windows, the gate) ran beside the engine on this 2-core VM."""
+    bind_serving(load_config(DEFAULT).runtime.serve_cores)
     cfg, target, drafts = default_setup(work, 3)
     if "base" not in drafts:
         raise ValueError("adaptive-k: needs the base draft (python -m workflows.base_draft)")
