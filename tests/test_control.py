@@ -247,7 +247,13 @@ def test_gate_picks_the_draft_length_that_pays_most() -> None:
     """T 30 ms, a draft pass 2.5 ms, K 3 (the worked example of `decide`)."""
     gate = SpeculationGate(NO_DWELL, flat(), max_batch=1)
     assert gate.lengths == [0, 3]
-    assert gate.decide(obs(1, live=rates(0.6, 0.5, 0.4))).action is SpecAction.STAY  # k2 is < 3% better
+    d = gate.decide(obs(1, live=rates(0.6, 0.5, 0.4)))  # k2 1.63x, k3 1.62x: down to the shorter, no margin
+    assert d.action is SpecAction.RESIZE and gate.lengths == [0, 2]
+    up = SpeculationGate(NO_DWELL, flat(), max_batch=1, lengths=[0, 1])
+    assert up.decide(obs(1, live=rates(0.6, 0.5, 0.4))).action is SpecAction.RESIZE  # k1 1.48x: up for > 3%
+    assert up.lengths == [0, 2]
+    near_up = SpeculationGate(NO_DWELL, flat(), max_batch=1, lengths=[0, 1])
+    assert near_up.decide(obs(1, live=rates(0.4, 0.27, 0.1))).action is SpecAction.STAY  # k2 alike: no move up
     d = gate.decide(obs(2, live=rates(0.5, 0.1, 0.1)))  # k1 1.38x, k2 1.33x, k3 1.24x
     assert d.action is SpecAction.RESIZE and gate.lengths == [0, 1] and "k1 1.38x" in d.reason
     assert gate.decide(obs(3, live=rates(0.9, 0.9, 0.9))).action is SpecAction.RESIZE and gate.lengths == [0, 3]
@@ -298,6 +304,13 @@ def test_probes_come_rarer_while_the_lengths_stand_and_often_again_after_a_chang
                                                                                    256, 256]
     assert gate.decide(obs(5000, live=rates(0.5, 0.1, 0.1))).action is SpecAction.RESIZE  # to k1
     assert gate.probe_gap(5000) == 32 and gate.probe_gap(5064) == 64
+    two = SpeculationGate(SpeculationConfig(probe_every=32, probe_max=256, min_dwell_steps=0, min_dwell_s=0),
+                          flat(), max_batch=2)
+    assert two.decide(obs(5000, b=2, live=rates(0.5, 0.1, 0.1))).action is SpecAction.RESIZE
+    assert two.probe_gap(5000) == 32  # the served batch size's length changed
+    two.lengths[1] = 3  # another batch size's length moves (as a refit moves those not served)
+    two.decide(obs(6000, b=2, live=rates(0.5, 0.1, 0.1)))
+    assert two.lengths == [0, 1, 1] and two.probe_gap(6000) == 256
     assert SpeculationGate(SpeculationConfig(probe_every=0), flat(), max_batch=1).probe_gap(10_000) == 0
     with pytest.raises(ValueError, match="probe_max"):
         SpeculationConfig(probe_every=64, probe_max=32)

@@ -104,7 +104,7 @@ class SpeculationConfig:
     ever). No change within `min_dwell_steps` engine steps AND `min_dwell_s` seconds of the last one.
     While drafting, a plain engine step now and then (a probe) lets the latency model measure T(b, b)
     beside the verify steps it weighs against it: every `probe_every`-th step (0: never) after the
-    draft lengths change, the gap doubling as they stand, up to `probe_max`
+    draft length at the served batch size changes, the gap doubling as it stands, up to `probe_max`
     (`SpeculationGate.probe_gap`). A probe gives up what the draft would have added in that step (at a
     fixed 32 ~0.5% of batch-4 throughput with a 1.16x draft, docs/BENCHMARKS.md adaptive-k), while
     T(b, b) drifts only with the machine's speed, which every calibrated step tracks.

@@ -253,6 +253,7 @@ class SpeculationGate:
     max_batch: int
     lengths: list[int] = field(default_factory=list)  # index = batch size; [0] unused
     _since: tuple[int, float] = (0, 0.0)  # the last change (or construction)
+    _probed_since: int = 0  # the last change of the length at the batch size being served
 
     def __post_init__(self) -> None:
         if not self.lengths:
@@ -271,9 +272,11 @@ class SpeculationGate:
         return any(self.lengths[1:])
 
     def probe_gap(self, step: int) -> int:
-        """Engine steps between two probes now (0: no probes): `probe_every` after the lengths change,
-        twice that once they have stood for twice that, and so on up to `probe_max`."""
-        gap, since = self.cfg.probe_every, step - self._since[0]
+        """Engine steps between two probes now (0: no probes): `probe_every` after the length at the
+        batch size served changes, twice that once it has stood for twice that, and so on up to
+        `probe_max`. A change at another batch size (the refit moves those it has not served) does not
+        make the served one's probes frequent again."""
+        gap, since = self.cfg.probe_every, step - self._probed_since
         while gap and 2 * gap <= min(since, self.cfg.probe_max):
             gap *= 2
         return gap
@@ -288,7 +291,8 @@ class SpeculationGate:
 
         Example (T flat 30 ms, D(1, k) = 2.5 ms a token, K 3, max batch 1): live rates [0.6, 0.5, 0.4]
         over 300 steps give E = 1.6, 1.9, 2.02 for k = 1, 2, 3 and speedups 1.48, 1.63, 1.62: from k 3
-        the best, k 2, gains under 3% (switch_margin): STAY. Rates [0.05, 0, 0] give 0.97, 0.90, 0.84:
+        the gate moves down to k 2, the shortest within 3% (switch_margin) of the most paying: RESIZE;
+        from k 1 it would move up only for 3% more, as here. Rates [0.05, 0, 0] give 0.97, 0.90, 0.84:
         from k 3, below 1 - margin_off, and plain (1.0) is the best: DISABLE.
         """
         cfg, b_now = self.cfg, self.batch(obs.batch_size)
@@ -317,6 +321,8 @@ class SpeculationGate:
             return Decision(SpecAction.STAY, f"{figures}, but only {dwell_steps} steps / {dwell_s:.1f} s since the "
                                              f"last change (dwell {cfg.min_dwell_steps} steps, {cfg.min_dwell_s:g} s)")
         was, self.lengths, self._since = self.lengths[b_now], new, (obs.step, obs.time_s)
+        if new[b_now] != was:
+            self._probed_since = obs.step
         if was == 0 and new[b_now] > 0:
             return Decision(SpecAction.ENABLE, figures)
         if was > 0 and new[b_now] == 0:
@@ -329,11 +335,12 @@ class SpeculationGate:
         With `enough` steps (or a held-out walk) the point estimate decides; from `early_steps` on
         only a clear case does: the change must also hold at rates `z` standard errors against it.
         Off -> on needs 1 + margin_on; on -> off a best below 1 - margin_off, or a loss so clear
-        that even rates z errors better cannot pay (a cheap useless draft inside the band); another
+        that even rates z errors better cannot pay (a cheap useless draft inside the band); a longer
         length needs switch_margin more than the current one. The best is the shortest length within
-        switch_margin of the most paying one: a deeper position's rate rests on fewer steps and its
-        verify on more tokens (adaptive-k at batch 1 measured k2 3.6% slower than k1 where the model
-        put them 0.1% apart).
+        switch_margin of the most paying one, and the gate moves down to it without a margin: a deeper
+        position's rate rests on fewer steps and its verify on more tokens (adaptive-k at batch 1
+        measured k2 1-4% slower than k1 where the model put k2 0.9% above; held there by a margin, the
+        gate served k2).
         """
         cfg = self.cfg
         point = self.speedups(b, rates)
@@ -352,7 +359,7 @@ class SpeculationGate:
         if best == 0:
             loss = point[cur] < 1 - cfg.margin_off
             return 0 if loss and (enough or optimistic[cur] < 1 - cfg.margin_off) else cur
-        better = point[best] > point[cur] * (1 + cfg.switch_margin)
+        better = best < cur or point[best] > point[cur] * (1 + cfg.switch_margin)
         return best if better and (enough or pessimistic[best] > optimistic[cur]) else cur
 
     @staticmethod
