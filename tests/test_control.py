@@ -432,6 +432,21 @@ def test_worked_example_collects_on_the_sixth_request_after_a_drop() -> None:
     assert gate.warming_up  # the new level is learnt from the next n_init requests
 
 
+def test_speculation_turned_off_far_below_the_long_ema_is_a_shift() -> None:
+    """With speculation off no request moves the EMAs: the live steps that turned it off are the
+    evidence. Off near the long EMA is a draft that stopped paying, not a new workload."""
+    gate = CollectionGate(CollectConfig(n_init=1, epsilon=0.1))
+    assert "no baseline yet" in gate.on_speculation_off(0.04).reason
+    gate.on_request(0.27)
+    assert gate.on_speculation_off(0.22).action is CollectAction.WAIT and not gate.warming_up
+    d = gate.on_speculation_off(0.04)
+    assert d.action is CollectAction.COLLECT and "0.04 < long EMA 0.27 - 0.1" in d.reason and gate.warming_up
+    gate.on_request(0.27)
+    gate.on_stored(gate.cfg.n_threshold)  # TRAIN: a shift now waits for the cycle's answer
+    assert gate.on_speculation_off(0.04).action is CollectAction.WAIT and gate.shifted
+    assert gate.on_trained(2, 1.3, 1.35).action is CollectAction.COLLECT  # the new regime starts at the answer
+
+
 @pytest.mark.parametrize("seed", range(5))
 @pytest.mark.parametrize("sigma", [0.1, 0.3])
 def test_stable_stream_never_collects(seed: int, sigma: float) -> None:

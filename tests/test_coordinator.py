@@ -420,6 +420,41 @@ def test_a_draft_turned_off_by_live_steps_stays_off_whatever_its_held_out_walk_s
     engine.writer.close()
 
 
+def test_a_live_off_that_shows_a_shift_makes_the_cycle_in_flight_no_evidence(tmp_path: Path) -> None:
+    """Live steps turn speculation off far below the collection gate's long EMA: a shift, seen while a
+    cycle trains. That cycle's walks are on the old workload's rows: its live draft's walk must not
+    turn speculation on again (a replay's translation phase did, twice), and the next regime's cycles
+    read only chunks named after it started."""
+    from tide.serve.engine import RequestResult
+
+    engine, transport = FakeEngine(tmp_path, gamma=1), ListTransport()
+    cfg = config("adaptive")
+    cfg = dataclasses.replace(cfg, draft=dataclasses.replace(cfg.draft, init="some-base-draft"))
+    coord = Coordinator(cfg, engine, transport, trainer_ranks=[1], drafts_root=str(tmp_path))
+    coord.start()
+    for i in range(cfg.control.collect.n_init):  # the EMAs' baseline: requests at first-draft acceptance 0.4
+        coord.on_result(RequestResult(f"q{i}", "w", 8, [1] * 10, 0.0, 1.0, [6, 4], 0, True))
+    engine.serve_chunks(3)
+    coord.on_window(window(engine, first=0.4))
+    (first,) = trains(transport)
+    coord.on_window(window(engine, first=0.0, steps=300))  # the workload shifts: the draft accepts nothing
+    assert engine.lengths == [0] * 5 and coord.collect.shifted
+    transport.inbox.append((1, ready(1, 1, 1.41, 1.40)))  # no gain on the old rows, where v0 walks 0.40
+    coord.between_steps(engine, 1.0)
+    assert coord.events[-1].kind == "collect" and "during the cycle" in coord.events[-1].reason
+    plain = Window(0.0, 1.0, 100, 100, 1.0, [100, 0], 0, False, engine.writer.stats()["tokens"],
+                   {"tried": [0], "accepted": [0]})
+    for _ in range(3):
+        coord.on_window(plain)
+    assert engine.lengths == [0] * 5 and "spec-on" not in [e.kind for e in coord.events] and not coord.held_out
+    engine.serve_chunks(3)
+    coord.on_window(plain)
+    second = trains(transport)[1]
+    assert second.since_ns > first.since_ns
+    assert sum(len(r) for r in ChunkReader(tmp_path, META).load(since_ns=second.since_ns)) == 300
+    engine.writer.close()
+
+
 class Wire:
     """The ends of a loopback between ranks 0 .. n-1: what one end sends to another lands in its inbox;
     what goes to any other rank (the trainer) is kept in `sent`."""

@@ -31,6 +31,9 @@ A failed cycle (the trainer died or gave up) keeps the regime collecting and ret
 `n_threshold` more rows, twice as many after each further failure in a row (at most MAX_BACKOFF
 times as many): a trainer that fails at once on every cycle does not spin.
 
+A shift also shows when live drafting steps turn speculation off at a first-draft acceptance below
+the long EMA by epsilon (`on_speculation_off`): with speculation off, no request moves the EMAs.
+
 States: IDLE -(shift)-> COLLECTING -(n_threshold stored)-> TRAINING -(better, or still rising)-> COLLECTING
 -> TRAINING ... -(no gain, patience left)-> COLLECTING -(new rows)-> TRAINING ... -(plateau)-> IDLE.
 Collection stays on while TRAINING; `collecting` says whether to capture.
@@ -118,6 +121,26 @@ class CollectionGate:
             why = f"long EMA {self.long:.2f} < baseline {self.baseline:.2f} - {cfg.drift_epsilon:g}: slow drift"
         else:
             return Decision(CollectAction.WAIT, f"{self.state.value}, stable ({emas})")
+        return self._shifted(why)
+
+    def on_speculation_off(self, first: float) -> Decision[CollectAction]:
+        """Live drafting steps turned speculation off at first-draft acceptance `first` (over the
+        speculation gate's `min_steps`, so within ~0.03). Below the long EMA by epsilon, that is a
+        shift the EMAs would catch only after a dozen or more requests drafted at the new level, and
+        with speculation off no request drafts.
+
+        Example (epsilon 0.1): long 0.27, speculation off at 0.04: a shift; off at 0.22: WAIT (the
+        draft no longer pays at this batch size, but the workload is the one it was learning)."""
+        if self.long is None:
+            return Decision(CollectAction.WAIT, f"speculation off at first-draft acceptance {first:.2f}: no "
+                                                "baseline yet")
+        if first >= self.long - self.cfg.epsilon:
+            return Decision(CollectAction.WAIT, f"speculation off at first-draft acceptance {first:.2f} >= long "
+                                                f"EMA {self.long:.2f} - {self.cfg.epsilon:g}: no shift")
+        return self._shifted(f"speculation off at live first-draft acceptance {first:.2f} < long EMA "
+                             f"{self.long:.2f} - {self.cfg.epsilon:g}: workload shifted")
+
+    def _shifted(self, why: str) -> Decision[CollectAction]:
         self._rebaseline()  # the new level is learnt from the next n_init requests
         if self.state is CollectState.TRAINING:  # the cycle in flight answers first (`on_trained`)
             self.shifted = why

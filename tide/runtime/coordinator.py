@@ -109,6 +109,7 @@ class Coordinator:
         self.trainer_alive = bool(trainer_ranks)
         self.finished: list[tuple[Finished, int]] = []  # without an engine: the instances' requests, len(events) then
         self._since_ns = 0  # the current regime's start: its collections count, its cycles read chunks named since
+        self._old_cycles = 0  # cycles asked before the last shift: their held-out walks are of the old workload
         self._chain: int | None = None  # an undeployed draft that still learns: the next cycle starts from it
         self._resume_ns = resume_ns  # a restarted run's first collection starts here (serve_role.resume_point)
         self._counted = 0  # rows stored since then, as last counted
@@ -136,6 +137,7 @@ class Coordinator:
             if not (regime_goes_on and self._since_ns):  # a new regime: the chunks named from now on
                 # the writer names chunks by this clock (same host); a restart picks up what it had stored
                 self._since_ns, self._counted, self._resume_ns = self._resume_ns or time.time_ns(), 0, 0
+                self._old_cycles = self.cycles_asked
                 for peer in self.peers.values():
                     peer.rows = 0
                 self._chain = None
@@ -225,9 +227,14 @@ class Coordinator:
     def _acceptance(self, first: float) -> None:
         """One request's first-draft acceptance, from any instance: the collection gate's evidence."""
         if self.cfg.control.learns:
-            d = self.collect.on_request(first)
-            if d.action is not CollectAction.WAIT:
-                self._apply(d)
+            self._collect(self.collect.on_request(first))
+
+    def _collect(self, d: Decision[CollectAction]) -> None:
+        """Act on the collection gate's answer to live evidence, which may have seen a shift."""
+        if self.collect.shifted:  # seen while a cycle trains: it and those before it walked the old workload
+            self._old_cycles = self.cycles_asked
+        if d.action is not CollectAction.WAIT:
+            self._apply(d)
 
     def on_window(self, w: Window) -> None:
         self._steps += w.steps
@@ -291,14 +298,16 @@ class Coordinator:
                     self.progress = msg
             elif isinstance(msg, DraftReady):
                 new, live = self._trained(msg)
-                self.eval_counts[msg.version] = list(msg.eval_counts)
+                fresh = msg.cycle > self._old_cycles  # else its walks are on rows from before the last shift
+                if fresh:  # the gate's evidence once this draft serves, and the rollback gate's bar
+                    self.eval_counts[msg.version], self.held_out[msg.version] = list(msg.eval_counts), new
                 if self.policy == "always":
                     self.collect.on_trained(msg.version, msg.eval_al, msg.live_al)
                     self._deploy(msg.version, "policy always: deploy every trained draft")
                     self._apply(self.collect.restart("policy always: collect anew"))
                 else:
                     d = self.collect.on_trained(msg.version, msg.eval_al, msg.live_al, msg.base_al)
-                    if d.action is not CollectAction.DEPLOY and msg.live_version == self.version:
+                    if fresh and d.action is not CollectAction.DEPLOY and msg.live_version == self.version:
                         self._estimate = live  # the live draft on fresh data: the gate's evidence while off
                     self._apply(d)
             elif isinstance(msg, TrainFailed):
@@ -316,7 +325,7 @@ class Coordinator:
                     f"{msg.base_al:.3f}{chained}) on {msg.train_tokens} tokens in {msg.wall_s:.0f} s{note}",
                     msg.version, eval_al=msg.eval_al, base_al=msg.base_al, live_al=msg.live_al,
                     base_version=msg.base_version, wall_s=msg.wall_s, eval_rates=new.rates(), base_rates=base.rates())
-        self.eval_al[msg.version], self.held_out[msg.version] = msg.eval_al, new
+        self.eval_al[msg.version] = msg.eval_al
         return new, live
 
     # ------------------------------------------------------------------ the other serving instances
@@ -449,6 +458,9 @@ class Coordinator:
                 self._estimate = None  # them (a shift): off until a cycle or a deploy brings fresh evidence
             kind = {SpecAction.ENABLE: "spec-on", SpecAction.DISABLE: "spec-off"}.get(d.action, "draft-length")
             self.record(kind, d.reason, self.engine.version, lengths=list(self.gate.lengths))
+            control = self.cfg.control
+            if d.action is SpecAction.DISABLE and control.learns and live.steps >= control.speculation.min_steps:
+                self._collect(self.collect.on_speculation_off(live.rates()[0]))  # the live steps may show a shift
         self.engine.set_probe(self.gate.probe_gap(self._steps))
         if self.gate.length(w.mean_batch) == 0:
             self._keep_learning()
