@@ -255,6 +255,16 @@ def test_states_fold_het_components(monkeypatch: pytest.MonkeyPatch) -> None:
                                                         "13": "UNKNOWN"}
 
 
+def test_wait_goes_on_through_states_that_are_not_an_end(monkeypatch: pytest.MonkeyPatch) -> None:
+    """SIGNALING (a `--signal` on its way to the ranks) and STAGE_OUT come and go in a moment, too fast
+    to catch on the local cluster on demand (the time-limit test in test_faults met SIGNALING once):
+    the states are given here."""
+    states = iter(["PENDING", "RUNNING", "SIGNALING", "COMPLETING", "STAGE_OUT", "COMPLETED"])
+    monkeypatch.setattr(submit, "job_states", lambda ids: {ids[0]: next(states)})
+    job = submit.Job("5", Path("o"), Path("e"), Path("."))
+    assert submit.wait(job, 60, progress=False, poll_s=0).state == "COMPLETED"
+
+
 # ---- on the local cluster -------------------------------------------------------------------------
 
 

@@ -11,7 +11,11 @@ import subprocess
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-ACTIVE = {"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "REQUEUED", "RESIZING", "SUSPENDED", "UNKNOWN"}
+# every state squeue(1) lists that is not an end: SIGNALING shows while `--signal` reaches the ranks
+# before the time limit, STAGE_OUT after them; the held ones wait for a release (or wait()'s deadline)
+ACTIVE = frozenset({"PENDING", "CONFIGURING", "RUNNING", "SIGNALING", "COMPLETING", "STAGE_OUT", "SUSPENDED",
+                    "STOPPED", "RESIZING", "REQUEUED", "REQUEUE_FED", "REQUEUE_HOLD", "RESV_DEL_HOLD",
+                    "SPECIAL_EXIT", "UNKNOWN"})
 CMD_TIMEOUT_S = 60  # a Slurm client call that takes longer means slurmctld is unreachable
 
 
